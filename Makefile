@@ -1,0 +1,62 @@
+# The workbook's commands. `make lab` to read and run the chapters, `make test` to check them.
+# Both create or refresh .venv first, and only when pyproject.toml or the pins changed.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PINS := requirements/constraints.txt
+WITH_NB_ENV := tests/with_notebook_env.sh
+NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
+FIRST_CHAPTER := $(notdir $(firstword $(NOTEBOOKS)))
+NBVAL_FLAGS := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+LAB_PORT ?= 8888
+
+.PHONY: venv lab test lint unit nbval notebooks bench pins clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml $(PINS)
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
+	  { echo "error: $(PYTHON) is older than Python 3.10; run 'make PYTHON=python3.11 ...'" >&2; exit 1; }
+	@test -x $(BIN)/python || { echo "Creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
+	@echo "Installing the workbook into $(VENV) (pinned by $(PINS); the first time takes minutes)"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c $(PINS) -e ".[test]"
+	@# Build matplotlib's font cache here, so its notice never lands in a notebook output.
+	$(BIN)/python -c "import matplotlib.pyplot"
+	@touch $@
+
+lab: $(STAMP)
+	$(WITH_NB_ENV) $(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
+	  --ServerApp.root_dir=notebooks --LabApp.default_url=/lab/tree/$(FIRST_CHAPTER)
+
+test: lint unit nbval
+
+lint: $(STAMP)
+	$(BIN)/ruff check mgpu_helpers tests notebooks benchmarks
+
+unit: $(STAMP)
+	$(BIN)/pytest tests
+
+nbval: $(STAMP)
+	$(WITH_NB_ENV) $(BIN)/pytest $(NBVAL_FLAGS) $(NOTEBOOKS)
+
+# Re-execute every chapter in a fresh kernel, under the settings nbval uses, storing outputs.
+notebooks: $(STAMP)
+	$(WITH_NB_ENV) $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
+	  --ExecutePreprocessor.timeout=600 --ExecutePreprocessor.kernel_name=python3 \
+	  --ExecutePreprocessor.record_timing=False $(NOTEBOOKS)
+
+bench: $(STAMP)
+	@for script in benchmarks/*.py; do echo "== $$script"; \
+	  $(WITH_NB_ENV) $(BIN)/python $$script || exit 1; done
+
+# Rewrite the pins from what is installed in .venv (after changing a range in pyproject.toml).
+pins:
+	@test -x $(BIN)/python || { echo "error: no $(VENV); run 'make venv' first" >&2; exit 1; }
+	{ sed -n '1,3p' $(PINS); $(BIN)/python -m pip freeze --exclude-editable | sort -f; } > $(PINS).new
+	mv $(PINS).new $(PINS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,153 @@
+"""The environment report: simulated GPU machines, malformed settings, CUDA left alone."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mgpu_helpers import env
+from mgpu_helpers.env import GPU, CudaProbe, describe, plan_for, probe_cuda
+
+NO_DRIVER = CudaProbe(cuda_error="Found no NVIDIA driver on your system.",
+                      cudnn_version=90100, nccl_version="2.21.5")
+
+
+def simulated_gpus(count, name="NVIDIA H100 80GB HBM3"):
+    gpus = tuple(GPU(i, name, 85_000_000_000, (9, 0)) for i in range(count))
+    return CudaProbe(gpus=gpus, cudnn_version=90100, nccl_version="2.21.5")
+
+
+@pytest.fixture
+def nccl_built(monkeypatch):
+    monkeypatch.setattr(env.dist, "is_nccl_available", lambda: True)
+
+
+@pytest.fixture(autouse=True)
+def no_visible_devices_setting(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def test_cpu_machine_plans_simulated_ranks_over_gloo():
+    report = describe(NO_DRIVER)
+    assert not report.cuda_available
+    assert report.plan.backend == "gloo"
+    assert report.plan.device_type == "cpu"
+    assert report.plan.nprocs == env.SIMULATED_RANKS
+    assert report.plan.summary.startswith("no GPU: 2 ranks simulated as CPU processes over gloo")
+    text = str(report)
+    assert "GPUs" in text and "none" in text
+    assert "no: Found no NVIDIA driver on your system." in text
+
+
+def test_four_simulated_gpus_plan_nccl(nccl_built):
+    report = describe(simulated_gpus(4))
+    assert report.cuda_available
+    assert report.plan.summary == "4 GPUs, nccl: one process per GPU"
+    assert (report.plan.nprocs, report.plan.backend, report.plan.device_type) == (4, "nccl", "cuda")
+    text = str(report)
+    for index in range(4):
+        row = rf"cuda:{index}\s+NVIDIA H100 80GB HBM3, 79\.2 GiB, compute capability 9\.0"
+        assert re.search(row, text)
+    assert "yes, 4 devices" in text
+    assert "cuDNN" in text and "9.1.0" in text
+    assert "2.21.5" in text
+
+
+def test_one_gpu_is_singular(nccl_built):
+    assert describe(simulated_gpus(1)).plan.summary == "1 GPU, nccl: one process per GPU"
+
+
+def test_gpus_without_nccl_fall_back_to_gloo():
+    plan = plan_for(gpu_count=2, nccl_available=False, usable_cores=8)
+    assert plan.backend == "gloo"
+    assert "has no NCCL" in plan.summary
+
+
+def test_html_rendering_is_a_table_and_escapes(nccl_built):
+    html = describe(simulated_gpus(2, name="GPU <test> & co"))._repr_html_()
+    assert html.startswith("<table>") and html.endswith("</table>")
+    assert "GPU &lt;test&gt; &amp; co" in html
+    assert "<test>" not in html
+    assert html.count("<tr>") == sum(len(rows) + 1 for _, rows in describe(NO_DRIVER).rows()) + 1
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [("0,,1", "entry 2 is empty"), ("abc", "'abc'"), ("-1", "hide every GPU")],
+)
+def test_malformed_visible_devices_are_explained_not_fatal(monkeypatch, raw, expected):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", raw)
+    text = str(describe(NO_DRIVER))
+    assert re.search(rf"CUDA_VISIBLE_DEVICES\s+{re.escape(repr(raw))}: ", text)
+    assert expected in text
+
+
+def test_malformed_visible_devices_listed_as_problem(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,,1")
+    report = describe(NO_DRIVER)
+    assert report.problems == ("CUDA_VISIBLE_DEVICES='0,,1': entry 2 is empty",)
+    assert report.to_dict()["visible_devices"]["entries"] == (0,)
+
+
+def test_describe_never_touches_cuda_in_process(monkeypatch):
+    """Any in-process call that would initialise the CUDA driver fails this test."""
+
+    def touched(*args, **kwargs):
+        raise AssertionError("describe() called a CUDA API in the calling process")
+
+    for name in ("init", "_lazy_init", "device_count", "is_available",
+                 "get_device_properties", "get_device_name", "current_device"):
+        monkeypatch.setattr(torch.cuda, name, touched)
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", touched, raising=False)
+    report = describe()  # the real probe, in a child process
+    assert report.problems == ()
+    assert not torch.cuda.is_initialized()
+
+
+def test_real_probe_is_self_consistent():
+    probe = probe_cuda()
+    assert probe.probe_error is None
+    assert (probe.cuda_error is None) == bool(probe.gpus)
+    assert [g.index for g in probe.gpus] == list(range(len(probe.gpus)))
+
+
+def test_probe_timeout_is_reported_not_raised(monkeypatch):
+    def hang(*args, **kwargs):
+        raise subprocess.TimeoutExpired(cmd="probe", timeout=1)
+
+    monkeypatch.setattr(env.subprocess, "run", hang)
+    report = describe()
+    assert not report.cuda_available
+    assert "did not answer within" in report.problems[0]
+    assert "did not answer" in str(report)
+
+
+@pytest.mark.parametrize(
+    ("returncode", "stdout", "expected"),
+    [(1, "", "exited with status 1: boom"), (0, "not json", "unreadable")],
+)
+def test_probe_failures_are_reported(monkeypatch, returncode, stdout, expected):
+    def fake_run(*args, **kwargs):
+        return subprocess.CompletedProcess(args, returncode, stdout=stdout, stderr="x\nboom\n")
+
+    monkeypatch.setattr(env.subprocess, "run", fake_run)
+    assert expected in probe_cuda().probe_error
+
+
+def test_doctor_prints_report_and_exits_zero():
+    done = subprocess.run([sys.executable, "-m", "mgpu_helpers"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("Environment report (mgpu_helpers)")
+    assert "Workbook plan" in done.stdout
+    assert done.stderr == ""
+
+
+def test_doctor_json_is_machine_readable():
+    done = subprocess.run([sys.executable, "-m", "mgpu_helpers", "--json"],
+                          capture_output=True, text=True, check=True)
+    report = json.loads(done.stdout)
+    assert report["torch"] == torch.__version__
+    assert report["plan"]["backend"] in ("gloo", "nccl")
