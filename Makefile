@@ -11,6 +11,8 @@ NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 FIRST_CHAPTER := $(notdir $(firstword $(NOTEBOOKS)))
 NBVAL_FLAGS := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 LAB_PORT ?= 8888
+# Jupyter refuses to start as root (containers often run as root) unless told to.
+LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .PHONY: venv lab test lint unit nbval notebooks bench pins clean
 
@@ -28,7 +30,8 @@ $(STAMP): pyproject.toml $(PINS)
 
 lab: $(STAMP)
 	$(WITH_NB_ENV) $(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
-	  --ServerApp.root_dir=notebooks --LabApp.default_url=/lab/tree/$(FIRST_CHAPTER)
+	  --ServerApp.root_dir=notebooks --LabApp.default_url=/lab/tree/$(FIRST_CHAPTER) \
+	  $(LAB_ROOT_FLAG)
 
 test: lint unit nbval
 

@@ -1,0 +1,129 @@
+"""`make lab` serves JupyterLab on loopback with a token, and chapter 00 runs there.
+
+Starts the real `make lab`, reads the URL it prints, checks that the server refuses
+requests without the token, executes every code cell of chapter 00 in a kernel started
+through the server (as the browser would), and shuts everything down.
+"""
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import nbformat
+import pytest
+from tornado.websocket import websocket_connect
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTER = "00_environment.ipynb"
+URL_PATTERN = re.compile(r"(http://127\.0\.0\.1:(\d+))/lab/tree/(\S+)\?token=(\w+)")
+
+
+def wait_for_url(server: subprocess.Popen, log: Path, timeout: float = 120.0) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        match = URL_PATTERN.search(log.read_text())
+        if match:
+            return match
+        if server.poll() is not None:
+            pytest.fail(f"make lab exited with {server.returncode}:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    pytest.fail(f"make lab printed no URL within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def http(url: str, token: str | None = None, method: str = "GET", body: dict | None = None):
+    request = urllib.request.Request(url, method=method,
+                                     data=None if body is None else json.dumps(body).encode())
+    if token:
+        request.add_header("Authorization", f"token {token}")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return response.status, json.loads(response.read() or b"null")
+
+
+async def run_cells(ws_url: str, sources: list[str]) -> list[tuple[tuple[str, str] | None, str]]:
+    """Execute each source in order; per cell, its (ename, evalue) or None, and its stdout."""
+    connection = await websocket_connect(ws_url)
+    session = uuid.uuid4().hex
+    results = []
+    try:
+        for code in sources:
+            msg_id = uuid.uuid4().hex
+            await connection.write_message(json.dumps({
+                "header": {"msg_id": msg_id, "session": session, "username": "test",
+                           "msg_type": "execute_request", "version": "5.3"},
+                "parent_header": {}, "metadata": {}, "channel": "shell", "buffers": [],
+                "content": {"code": code, "silent": False, "store_history": True,
+                            "user_expressions": {}, "allow_stdin": False,
+                            "stop_on_error": False},
+            }))
+            error, stdout = None, ""
+            while True:
+                raw = await asyncio.wait_for(connection.read_message(), timeout=300)
+                assert raw is not None, "the kernel websocket closed"
+                message = json.loads(raw)
+                if message.get("parent_header", {}).get("msg_id") != msg_id:
+                    continue
+                kind = message["header"]["msg_type"]
+                if kind == "stream" and message["content"]["name"] == "stdout":
+                    stdout += message["content"]["text"]
+                if kind == "error":
+                    error = (message["content"]["ename"], message["content"]["evalue"])
+                if kind == "status" and message["content"]["execution_state"] == "idle":
+                    break
+            results.append((error, stdout))
+    finally:
+        connection.close()
+    return results
+
+
+def test_make_lab_serves_chapter_00_on_loopback_with_token(tmp_path):
+    log = tmp_path / "lab.log"
+    with log.open("w") as out:
+        server = subprocess.Popen(["make", "--no-print-directory", "lab", "LAB_PORT=18888"],
+                                  cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, start_new_session=True)
+    kernel_pid = None
+    try:
+        match = wait_for_url(server, log)
+        base, port, opened, token = match.groups()
+        assert opened == CHAPTER, "make lab should open the first chapter"
+
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            http(f"{base}/api/sessions")
+        assert refused.value.code == 403, "the server must require its token"
+
+        status, session = http(f"{base}/api/sessions", token, "POST", {
+            "path": CHAPTER, "type": "notebook", "name": CHAPTER,
+            "kernel": {"name": "python3"}})
+        assert status == 201
+        ws_url = (f"ws://127.0.0.1:{port}/api/kernels/{session['kernel']['id']}/channels"
+                  f"?token={token}")
+
+        notebook = nbformat.read(ROOT / "notebooks" / CHAPTER, as_version=4)
+        code_cells = [c for c in notebook.cells if c.cell_type == "code"]
+        results = asyncio.run(run_cells(ws_url, [c.source for c in code_cells]
+                                        + ["import os; print(os.getpid())"]))
+        pid_error, pid_text = results.pop()
+        assert pid_error is None
+        kernel_pid = int(pid_text)
+
+        for cell, (error, _) in zip(code_cells, results, strict=True):
+            expected = "raises-exception" in cell.metadata.get("tags", [])
+            assert (error is not None) == expected, (cell.source[:200], error)
+        assert ("ValueError", "Default process group has not been initialized, please make "
+                "sure to call init_process_group.") in [error for error, _ in results]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+    # Stopping the server must not leave the chapter's kernel behind.
+    deadline = time.monotonic() + 30
+    while kernel_pid and Path(f"/proc/{kernel_pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not (kernel_pid and Path(f"/proc/{kernel_pid}").exists()), "kernel left running"
