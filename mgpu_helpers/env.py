@@ -198,6 +198,10 @@ class EnvReport:
             lines += [f"  {label:<{width}}  {value}" for label, value in rows]
         return "\n".join(lines)
 
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        # IPython in a terminal (and a notebook's text/plain output) shows the text table.
+        printer.text(str(self))
+
     def _repr_html_(self) -> str:
         parts = ["<table>", "<caption>Environment report (mgpu_helpers)</caption>"]
         for title, rows in self.rows():

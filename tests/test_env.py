@@ -107,6 +107,20 @@ def test_describe_never_touches_cuda_in_process(monkeypatch):
     assert not torch.cuda.is_initialized()
 
 
+def test_real_probe_survives_malformed_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,,1")
+    report = describe()
+    assert report.problems == ("CUDA_VISIBLE_DEVICES='0,,1': entry 2 is empty",)
+    assert len(report.gpus) <= 1, "CUDA shows at most GPU 0 for '0,,1'"
+
+
+def test_ipython_shows_the_text_table():
+    from IPython.lib.pretty import pretty
+
+    report = describe(NO_DRIVER)
+    assert pretty(report) == str(report)
+
+
 def test_real_probe_is_self_consistent():
     probe = probe_cuda()
     assert probe.probe_error is None
