@@ -75,6 +75,8 @@ def probe_cuda(timeout: float = PROBE_TIMEOUT_S) -> CudaProbe:
     The child inherits this process's environment, so it sees the same
     ``CUDA_VISIBLE_DEVICES`` a training rank started from here would see.
     """
+    if not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     command = [sys.executable, "-m", "mgpu_helpers._cuda_probe"]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)

@@ -131,12 +131,12 @@ def parse_cuda_visible_devices(raw: str | None = None, *, from_env: bool = False
                 why = f"entry {position} ({text!r}) is negative"
             rest = ",".join(items[position:])
             if not chosen:
-                hint = "; '-1' is the usual way to hide every GPU" if number == -1 else ""
+                hide_all_idiom = raw.strip() == "-1"
+                hint = "; '-1' is the usual way to hide every GPU" if hide_all_idiom else ""
                 return VisibleDevices(
                     raw, (), f"no GPU is visible: {why}, and CUDA stops reading at the first "
                     f"entry it cannot use{hint}",
-                    problem=None if number is not None and number < 0 and len(items) == 1
-                    else why)
+                    problem=None if hide_all_idiom else why)
             ignored = f", so {rest!r} is ignored" if rest else ""
             return VisibleDevices(
                 raw, tuple(chosen),

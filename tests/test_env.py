@@ -151,6 +151,11 @@ def test_probe_failures_are_reported(monkeypatch, returncode, stdout, expected):
     assert expected in probe_cuda().probe_error
 
 
+def test_probe_rejects_non_positive_timeout():
+    with pytest.raises(ValueError, match="timeout must be a positive number"):
+        probe_cuda(timeout=0)
+
+
 def test_doctor_prints_report_and_exits_zero():
     done = subprocess.run([sys.executable, "-m", "mgpu_helpers"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
