@@ -4,8 +4,13 @@ The notebooks in ``notebooks/`` teach the concepts; this package holds only the
 boilerplate around them (environment report, process launching, plotting).
 """
 
+from .dist import device, is_main, local_rank, print0, rank, world_size
 from .env import describe
+from .launch import LaunchError, launch
 from .visible_devices import parse_cuda_visible_devices
 
-__all__ = ["describe", "parse_cuda_visible_devices"]
+__all__ = [
+    "LaunchError", "describe", "device", "is_main", "launch", "local_rank",
+    "parse_cuda_visible_devices", "print0", "rank", "world_size",
+]
 __version__ = "0.1.0"

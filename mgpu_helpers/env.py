@@ -254,3 +254,36 @@ def describe(probe: CudaProbe | None = None) -> EnvReport:
         plan=plan_for(len(probe.gpus), nccl_built, usable),
         problems=tuple(problems),
     )
+
+
+def count_gpus() -> int:
+    """How many GPUs a process started from here would see, without initialising CUDA.
+
+    Uses NVML (through PyTorch, honouring ``CUDA_VISIBLE_DEVICES``), which is fork-safe
+    and fast. Where NVML cannot answer but a GPU driver is present, falls back to the
+    child-process probe of :func:`probe_cuda` (slow, but still fork-safe).
+    """
+    if torch.version.cuda is None and torch.version.hip is None:
+        return 0
+    if torch.version.cuda is not None:
+        counted = torch.cuda._device_count_nvml()
+        if counted >= 0:
+            return counted
+    if not any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd")):
+        return 0
+    return len(probe_cuda().gpus)
+
+
+def cuda_driver_loaded() -> bool:
+    """True if this process has loaded the CUDA driver (so forking it is unsafe).
+
+    ``torch.cuda.is_initialized()`` misses calls such as ``torch.cuda.is_available()``
+    that load and initialise the driver without PyTorch's own lazy initialisation.
+    """
+    if torch.cuda.is_initialized():
+        return True
+    try:
+        with open("/proc/self/maps") as maps:
+            return any("/libcuda.so" in line for line in maps)
+    except OSError:  # not Linux: only PyTorch's own flag is available
+        return False

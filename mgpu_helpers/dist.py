@@ -1,0 +1,52 @@
+"""Where am I? Small helpers for code running inside a rank.
+
+They work the same under ``mgpu_helpers.launch``, under ``torchrun`` and in a plain
+single process (where the answer is "rank 0 of 1, on this process's device"), so a
+training function can use them without knowing how it was started.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's global rank (0 when no process group is running)."""
+    return dist.get_rank() if _initialized() else 0
+
+
+def world_size() -> int:
+    """How many ranks take part (1 when no process group is running)."""
+    return dist.get_world_size() if _initialized() else 1
+
+
+def local_rank() -> int:
+    """This process's rank on its own machine: the index of the GPU it should use."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def is_main() -> bool:
+    """True on global rank 0: the rank that prints, saves checkpoints and logs."""
+    return rank() == 0
+
+
+def device() -> torch.device:
+    """The device this rank computes on: ``cuda:<local_rank>`` with NCCL, else ``cpu``."""
+    if _initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", local_rank())
+    return torch.device("cpu")
+
+
+def print0(*args, **kwargs) -> None:
+    """``print`` on rank 0 only, flushed at once so it is not held in a buffer."""
+    if is_main():
+        kwargs.setdefault("flush", True)
+        builtins.print(*args, **kwargs)

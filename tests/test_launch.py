@@ -1,0 +1,416 @@
+"""mgpu_helpers.launch on 2 gloo ranks: results, output, failures, hangs, ports, clusters."""
+
+import importlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mgpu_helpers as mh
+from mgpu_helpers.launch import LaunchError, launch
+
+# The package exports the function `launch`, which hides the module of the same name.
+launch_module = importlib.import_module("mgpu_helpers.launch")
+
+SCRIPTS = Path(__file__).resolve().parent / "launch_scripts"
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+
+def run_script(*command, env=None, timeout=180):
+    return subprocess.run([*command], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---------------------------------------------------------------- ranks and results
+
+
+def where_am_i():
+    return {"rank": mh.rank(), "world": mh.world_size(), "local": mh.local_rank(),
+            "device": str(mh.device()), "main": mh.is_main(),
+            "threads": torch.get_num_threads(), "addr": os.environ["MASTER_ADDR"]}
+
+
+def test_every_rank_knows_where_it_runs():
+    results = launch(where_am_i, nprocs=2, return_all=True)
+    assert results == [
+        {"rank": r, "world": 2, "local": r, "device": "cpu", "main": r == 0, "threads": 1,
+         "addr": "127.0.0.1"} for r in range(2)
+    ]
+
+
+def test_cpu_threads_is_configurable():
+    assert launch(torch.get_num_threads, nprocs=2, cpu_threads=2) == 2
+
+
+def reduce_and_return(kind):
+    value = torch.tensor([float(mh.rank() + 1)], requires_grad=False)
+    dist.all_reduce(value)
+    if kind == "dict":
+        return {"sum": value.item(), "rank": mh.rank()}
+    if kind == "tensor":
+        return value * torch.ones(2, requires_grad=True)  # a non-leaf: comes back detached
+    if kind == "bytes":
+        return bytes([mh.rank()]) * 50_000_000
+    raise AssertionError(kind)
+
+
+def test_returns_rank0_value_or_all_values():
+    assert launch(reduce_and_return, "dict", nprocs=2) == {"sum": 3.0, "rank": 0}
+    all_values = launch(reduce_and_return, "dict", nprocs=2, return_all=True)
+    assert all_values == [{"sum": 3.0, "rank": 0}, {"sum": 3.0, "rank": 1}]
+
+
+def test_tensors_come_back_on_cpu_detached():
+    value = launch(reduce_and_return, "tensor", nprocs=2)
+    assert value.device.type == "cpu" and not value.requires_grad
+    assert value.tolist() == [3.0, 3.0]
+
+
+def test_50_mb_return_values_do_not_deadlock():
+    values = launch(reduce_and_return, "bytes", nprocs=2, return_all=True)
+    assert [len(v) for v in values] == [50_000_000, 50_000_000]
+    assert values[1][:3] == b"\x01\x01\x01"
+
+
+def return_a_lock():
+    return threading.Lock()
+
+
+def test_unpicklable_return_value_names_the_rank():
+    with pytest.raises(LaunchError) as caught:
+        launch(return_a_lock, nprocs=2)
+    message = str(caught.value)
+    assert message.startswith("rank ")
+    assert "cannot pickle '_thread.lock' object (while sending its return value back)" in message
+    assert "Advice: Everything sent between processes must be picklable" in message
+
+
+def chatty():
+    print(f"hello from {mh.rank()}")
+    print(f"warning from {mh.rank()}", file=sys.stderr)
+    mh.print0("only rank 0 says this")
+
+
+def test_output_is_prefixed_line_by_line(capfd):
+    launch(chatty, nprocs=2)
+    out, err = capfd.readouterr()
+    assert sorted(out.splitlines()) == ["[rank 0] hello from 0", "[rank 0] only rank 0 says this",
+                                        "[rank 1] hello from 1"]
+    assert sorted(err.splitlines()) == ["[rank 0] warning from 0", "[rank 1] warning from 1"]
+
+
+def test_function_from_main_module_under_fork_and_spawn():
+    done = run_script(sys.executable, str(SCRIPTS / "main_module.py"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert "fork: 21" in lines and "spawn: 21" in lines
+    assert lines.count("[rank 0] printed once") == 2
+    assert "[rank 1] rank 1 of 2 on cpu" in lines
+    assert "environment unchanged" in lines
+
+
+def test_two_launches_leave_environment_unchanged():
+    before = dict(os.environ)
+    assert launch(mh.rank, nprocs=2) == 0
+    assert launch(mh.world_size, nprocs=2) == 2
+    assert dict(os.environ) == before
+    assert not dist.is_initialized()
+
+
+# ---------------------------------------------------------------------- failures
+
+
+def rank1_raises_while_rank0_waits():
+    if mh.rank() == 1:
+        time.sleep(0.2)
+        raise ValueError("boom")
+    dist.barrier()
+
+
+def test_failing_rank_is_reported_first_and_others_are_stopped():
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as caught:
+        launch(rank1_raises_while_rank0_waits, nprocs=2, timeout=30)
+    assert time.monotonic() - start < 20
+    message = str(caught.value)
+    assert message.startswith("rank 1 failed: ValueError: boom")
+    assert 'raise ValueError("boom")' in message
+    assert "rank 0:" in message.split("Other ranks")[1]
+
+
+def rank0_raises():
+    if mh.rank() == 0:
+        raise KeyError("missing")
+    dist.barrier()
+
+
+def test_rank0_failure():
+    with pytest.raises(LaunchError, match=r"^rank 0 failed: KeyError: 'missing'"):
+        launch(rank0_raises, nprocs=2, timeout=30)
+
+
+def rank1_dies(how):
+    if mh.rank() == 1:
+        if how == "exit":
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def test_os_exit_is_reported_with_exit_code():
+    with pytest.raises(LaunchError, match=r"^rank 1 exited with code 3 without returning"):
+        launch(rank1_dies, "exit", nprocs=2, timeout=30)
+
+
+def test_killed_rank_is_reported_with_signal_name():
+    with pytest.raises(LaunchError, match=r"^rank 1 killed by signal SIGKILL"):
+        launch(rank1_dies, "kill", nprocs=2, timeout=30)
+
+
+def rank1_hangs():
+    if mh.rank() == 1:
+        time.sleep(600)
+
+
+def test_join_timeout_kills_and_shows_stacks():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as caught:
+        launch(rank1_hangs, nprocs=2, join_timeout=3)
+    assert time.monotonic() - start < 15
+    message = str(caught.value)
+    assert "join_timeout of 3 s expired with rank(s) 0, 1 still running" in message
+    assert "in rank1_hangs" in message  # rank 1's Python stack, from faulthandler
+
+
+def rank1_is_late():
+    if mh.rank() == 1:
+        time.sleep(30)
+    dist.barrier()
+
+
+def test_timeout_reaches_the_process_group():
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as caught:
+        launch(rank1_is_late, nprocs=2, timeout=2)
+    assert time.monotonic() - start < 20
+    assert str(caught.value).startswith("rank 0 failed:")
+    assert "Advice: A collective waited longer than `timeout`" in str(caught.value)
+
+
+def test_interrupt_kills_every_rank_and_next_launch_works():
+    done = run_script(sys.executable, str(SCRIPTS / "interrupt.py"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "interrupted" in done.stdout
+    assert "children left: []" in done.stdout
+    assert "second launch: 42" in done.stdout
+
+
+def launch_inside():
+    return launch(mh.rank, nprocs=2)
+
+
+def test_launch_inside_a_rank_is_refused():
+    with pytest.raises(LaunchError, match="called from inside rank 0"):
+        launch(launch_inside, nprocs=1)
+
+
+# ------------------------------------------------------------------------- ports
+
+
+def test_busy_fixed_port_fails_fast_naming_it():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(LaunchError, match=f"master_port={port} on 127.0.0.1 is already"):
+            launch(mh.rank, nprocs=2, master_port=port)
+        assert time.monotonic() - start < 2
+
+
+def test_address_in_use_at_rendezvous_is_retried_on_a_new_port(monkeypatch, tmp_path):
+    real_create_store = launch_module._create_store
+    attempts = tmp_path / "attempts"
+
+    def flaky_store(rank, spec, listener, timeout):
+        if rank == 0 and not attempts.exists():
+            attempts.write_text(str(spec.master_port))
+            raise RuntimeError("The server socket has failed to listen (EADDRINUSE): "
+                               "address already in use")
+        return real_create_store(rank, spec, listener, timeout)
+
+    monkeypatch.setattr(launch_module, "_create_store", flaky_store)
+    used = launch(lambda: int(os.environ["MASTER_PORT"]), nprocs=2, timeout=10)
+    assert used != int(attempts.read_text())
+
+
+def test_fixed_port_in_use_at_rendezvous_is_not_retried(monkeypatch):
+    def always_busy(rank, spec, listener, timeout):
+        raise RuntimeError("EADDRINUSE: address already in use")
+
+    monkeypatch.setattr(launch_module, "_create_store", always_busy)
+    with pytest.raises(LaunchError, match="Pass master_port=None"):
+        launch(mh.rank, nprocs=2, master_port=free_port(), timeout=5)
+
+
+# ------------------------------------------------------------------------ clusters
+
+
+def test_torchrun_standalone_runs_the_function_once_per_process():
+    torchrun = Path(sys.executable).with_name("torchrun")
+    done = run_script(str(torchrun), "--standalone", "--nproc-per-node", "2",
+                      str(SCRIPTS / "cluster.py"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("pid"))
+    assert len(lines) == 2, done.stdout
+    assert [line.split(" rank ")[1] for line in lines] == ["0 world 2 sum 2",
+                                                          "1 world 2 sum 2"]
+
+
+def test_two_torchrun_nodes_on_localhost():
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [subprocess.Popen(
+        [torchrun, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "test",
+         "--master-addr", "127.0.0.1", str(SCRIPTS / "cluster.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in range(2)]
+    outputs = [node.communicate(timeout=180) for node in nodes]
+    for node, (out, err) in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, out + err
+    ranks = sorted(line.split(" rank ")[1] for out, _ in outputs for line in out.splitlines()
+                   if line.startswith("pid"))
+    assert ranks == ["0 world 2 sum 2", "1 world 2 sum 2"]
+
+
+def test_simulated_slurm_step_derives_ranks_from_slurm_variables():
+    port = str(free_port())
+    base = {"SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": port,
+            "SLURM_JOB_ID": "1234"}
+    tasks = [subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "cluster.py")],
+        env={**os.environ, **base, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for task in range(2)]
+    outputs = [task.communicate(timeout=120) for task in tasks]
+    for task, (out, err) in zip(tasks, outputs, strict=True):
+        assert task.returncode == 0, out + err
+    assert sorted(out.split(" rank ")[1].strip() for out, _ in outputs) == [
+        "0 world 2 sum 2", "1 world 2 sum 2"]
+
+
+def test_partial_torchrun_variables_are_listed(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(LaunchError, match="RANK set but WORLD_SIZE, LOCAL_RANK missing"):
+        launch(mh.rank, nprocs=2)
+
+
+def test_partial_slurm_variables_are_listed(monkeypatch):
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    for name in ("SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(LaunchError, match="SLURM_LOCALID, SLURM_JOB_NODELIST missing"):
+        launch(mh.rank, nprocs=2)
+
+
+@pytest.mark.parametrize(("nodelist", "first"), [
+    ("node7", "node7"), ("gpu[03-05,09]", "gpu03"), ("a1,b2", "a1"), ("x[1,4],y", "x1")])
+def test_first_slurm_host(nodelist, first):
+    assert launch_module._first_slurm_host(nodelist) == first
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("nprocs", [0, -1, True, "2", 1.5])
+def test_bad_nprocs(nprocs):
+    with pytest.raises(ValueError, match="nprocs must be a positive int"):
+        launch(mh.rank, nprocs=nprocs)
+
+
+def test_nprocs_required_without_gpus(monkeypatch):
+    monkeypatch.setattr(launch_module, "count_gpus", lambda: 0)
+    with pytest.raises(ValueError, match=r"no GPU\. Say how many ranks .* nprocs=2"):
+        launch(mh.rank)
+
+
+def test_called_function_instead_of_function():
+    with pytest.raises(TypeError, match=r"launch\(train\(\)\)"):
+        launch(mh.rank(), nprocs=2)
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="backend must be 'auto', 'gloo' or 'nccl'"):
+        launch(mh.rank, nprocs=2, backend="mpi")
+
+
+def test_nccl_without_gpus(monkeypatch):
+    monkeypatch.setattr(launch_module, "count_gpus", lambda: 0)
+    monkeypatch.setattr(launch_module.dist, "is_nccl_available", lambda: True)
+    with pytest.raises(LaunchError, match="backend='nccl' needs GPUs"):
+        launch(mh.rank, nprocs=2, backend="nccl")
+
+
+def test_nccl_with_more_ranks_than_gpus(monkeypatch):
+    monkeypatch.setattr(launch_module, "count_gpus", lambda: 1)
+    monkeypatch.setattr(launch_module.dist, "is_nccl_available", lambda: True)
+    with pytest.raises(LaunchError, match="nprocs=2 NCCL ranks need 2 GPUs, but 1 is visible"):
+        launch(mh.rank, nprocs=2, backend="nccl")
+
+
+@pytest.mark.parametrize("port", [0, 70000, "29500", True])
+def test_invalid_port(port):
+    with pytest.raises(ValueError, match="master_port must be an int in 1..65535"):
+        launch(mh.rank, nprocs=2, master_port=port)
+
+
+@pytest.mark.parametrize(("name", "value"), [("timeout", 0), ("join_timeout", -1),
+                                             ("cpu_threads", 0)])
+def test_invalid_limits(name, value):
+    with pytest.raises(ValueError, match=name):
+        launch(mh.rank, nprocs=2, **{name: value})
+
+
+def test_process_group_already_initialised_here():
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(LaunchError, match="already initialised in this process"):
+            launch(mh.rank, nprocs=2)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fork_refused_once_cuda_is_initialised(monkeypatch):
+    monkeypatch.setattr(launch_module, "cuda_driver_loaded", lambda: True)
+    with pytest.raises(LaunchError, match=r"refusing to fork: .*torch.cuda.is_available\(\)"):
+        launch(mh.rank, nprocs=2, start_method="fork")
+    assert launch_module._resolve_start_method("auto") == "spawn"
+
+
+def test_nccl_rank_detects_a_poisoned_fork(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    spec = launch_module._GroupSpec(2, "nccl", "127.0.0.1", 1, 5.0, 1)
+    with pytest.raises(RuntimeError, match="poisoned fork"):
+        launch_module._join_group(0, spec, None)
+
+
+def test_unknown_start_method():
+    with pytest.raises(ValueError, match="start_method must be"):
+        launch(mh.rank, nprocs=2, start_method="thread")
