@@ -338,6 +338,13 @@ class _Rank:
             except ProcessLookupError:
                 pass
 
+    def kill_leftovers(self) -> None:
+        """Kill what the rank started and left behind (its session outlives it)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     def emit(self, stream: str, data: bytes) -> None:
         buffered = self.partial[stream] + data
         *lines, self.partial[stream] = buffered.split(b"\n")
@@ -385,7 +392,8 @@ _ADVICE = [
      "tensors, dicts, lists), not open files, locks, generators or lambdas."),
     (("timed out", "Timed out", "Timeout"),
      "A collective waited longer than `timeout`: usually one rank skipped a collective the "
-     "others entered, or a rank is far slower. Chapter 08 shows how to find which."),
+     "others entered, or a rank is far slower. TORCH_DISTRIBUTED_DEBUG=DETAIL names the "
+     "collective each rank is in."),
 ]
 
 
@@ -505,6 +513,7 @@ class _Supervisor:
         self.kill_all(signal.SIGKILL)
         for rank in self.ranks:
             rank.process.join(timeout=10)
+            rank.kill_leftovers()
             rank.flush_partial()
             for conn in (rank.result_conn, rank.stdout_conn, rank.stderr_conn):
                 conn.close()

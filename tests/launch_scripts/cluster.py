@@ -15,4 +15,5 @@ def work():
 
 
 if __name__ == "__main__":
-    print(mh.launch(work), flush=True)
+    # One write per line: processes sharing a pipe cannot split each other's lines.
+    os.write(1, (mh.launch(work) + "\n").encode())
