@@ -414,3 +414,8 @@ def test_nccl_rank_detects_a_poisoned_fork(monkeypatch):
 def test_unknown_start_method():
     with pytest.raises(ValueError, match="start_method must be"):
         launch(mh.rank, nprocs=2, start_method="thread")
+
+
+def test_unpicklable_argument_under_spawn_is_refused_before_starting():
+    with pytest.raises(LaunchError, match="cannot send the function or its arguments"):
+        launch(lambda lock: None, threading.Lock(), nprocs=2, start_method="spawn")
