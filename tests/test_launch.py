@@ -239,7 +239,7 @@ def test_busy_fixed_port_fails_fast_naming_it():
         start = time.monotonic()
         with pytest.raises(LaunchError, match=f"master_port={port} on 127.0.0.1 is already"):
             launch(mh.rank, nprocs=2, master_port=port)
-        assert time.monotonic() - start < 2
+        assert time.monotonic() - start < 10  # no rank was started, nothing waited
 
 
 def test_address_in_use_at_rendezvous_is_retried_on_a_new_port(monkeypatch, tmp_path):
