@@ -1,0 +1,120 @@
+"""Real data that ships with the workbook's dependencies, written to disk on first use.
+
+* ``prepare_digits()``: the 1,797 handwritten digits that ship with scikit-learn (UCI
+  "Optical Recognition of Handwritten Digits", CC BY 4.0), as an ImageFolder tree of
+  32x32 RGB PNGs, ``digits/{train,test}/<class>/<index>.png``, split 80/20 per class.
+* ``prepare_photos()``: the two photographs that ship with scikit-learn (CC BY 2.0),
+  for augmentation demos.
+
+Preparation is deterministic and idempotent: a tree whose manifest matches is left
+alone; a missing, partial or damaged one is rebuilt in a temporary folder and moved
+into place, so an interrupted build never leaves a half-written tree behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from tqdm.auto import tqdm
+
+DATA_DIR_VAR = "MGPU_DATA_DIR"
+MANIFEST = "manifest.json"
+DIGITS_VERSION = 1
+DIGITS_SIZE = 32
+TEST_EVERY = 5  # every 5th image of each class goes to the test split
+
+
+def data_dir() -> Path:
+    """Where datasets live: ``$MGPU_DATA_DIR``, else the clone's ``data/`` folder."""
+    configured = os.environ.get(DATA_DIR_VAR)
+    if configured:
+        return Path(configured)
+    clone = Path(__file__).resolve().parents[2] / "data"
+    if (clone / "README.md").exists():
+        return clone
+    return Path.home() / ".cache" / "mgpu_workbook"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _tree_is_intact(root: Path, version: int) -> bool:
+    manifest = root / MANIFEST
+    try:
+        recorded = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        return False
+    if recorded.get("version") != version:
+        return False
+    files = recorded.get("files", {})
+    return bool(files) and all(
+        (root / name).is_file() and _sha256(root / name) == digest
+        for name, digest in files.items()
+    )
+
+
+def _publish(staging: Path, root: Path, version: int) -> None:
+    files = {str(p.relative_to(staging)): _sha256(p)
+             for p in sorted(staging.rglob("*")) if p.is_file()}
+    (staging / MANIFEST).write_text(json.dumps({"version": version, "files": files}, indent=1))
+    if root.exists():
+        shutil.rmtree(root)
+    os.replace(staging, root)
+
+
+def digit_image(pixels: np.ndarray) -> Image.Image:
+    """One 8x8 digit (values 0..16) as a 32x32 RGB image, white ink on black."""
+    gray = Image.fromarray(np.round(pixels * (255 / 16)).astype(np.uint8), mode="L")
+    return gray.resize((DIGITS_SIZE, DIGITS_SIZE), Image.Resampling.BILINEAR).convert("RGB")
+
+
+def prepare_digits(root: Path | None = None, progress: bool = True) -> Path:
+    """Write the digits ImageFolder tree if it is missing or damaged; return its path.
+
+    Args:
+        root: folder for the tree; default ``data_dir() / "digits"``.
+        progress: show a progress bar while writing.
+    """
+    from sklearn.datasets import load_digits
+
+    root = Path(root) if root is not None else data_dir() / "digits"
+    if _tree_is_intact(root, DIGITS_VERSION):
+        return root
+    digits = load_digits()
+    staging = root.with_name(f"{root.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    seen_per_class: dict[int, int] = {}
+    for index in tqdm(range(len(digits.target)), desc="Writing digits", unit="img",
+                      disable=not progress):
+        label = int(digits.target[index])
+        position = seen_per_class.get(label, 0)
+        seen_per_class[label] = position + 1
+        split = "test" if position % TEST_EVERY == TEST_EVERY - 1 else "train"
+        folder = staging / split / str(label)
+        folder.mkdir(parents=True, exist_ok=True)
+        digit_image(digits.images[index]).save(folder / f"{index:04d}.png")
+    _publish(staging, root, DIGITS_VERSION)
+    return root
+
+
+def prepare_photos(root: Path | None = None) -> Path:
+    """Copy scikit-learn's two sample photographs (china.jpg, flower.jpg); return the folder."""
+    from sklearn.datasets import load_sample_images
+
+    root = Path(root) if root is not None else data_dir() / "photos"
+    if _tree_is_intact(root, 1):
+        return root
+    staging = root.with_name(f"{root.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for source in load_sample_images().filenames:
+        shutil.copyfile(source, staging / Path(source).name)
+    _publish(staging, root, 1)
+    return root
