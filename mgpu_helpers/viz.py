@@ -1,0 +1,123 @@
+"""Plots and widgets the chapters use: image grids, augmentation draws, an explorer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import matplotlib.pyplot as plt
+import torch
+from PIL import Image
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as TF
+
+
+def _as_displayable(image):
+    if isinstance(image, Image.Image):
+        return image
+    tensor = image.detach().cpu()
+    if tensor.dtype == torch.uint8:
+        tensor = tensor.float() / 255
+    return tensor.clamp(0, 1).permute(1, 2, 0).numpy()
+
+
+def show_images(images: Sequence, titles: Sequence[str] | None = None, ncols: int = 8,
+                size: float = 1.6, suptitle: str | None = None):
+    """Draw PIL images or CHW tensors (values in [0, 1] or uint8) in a grid; returns the figure."""
+    if not images:
+        raise ValueError("show_images needs at least one image")
+    ncols = min(ncols, len(images))
+    nrows = -(-len(images) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(size * ncols, size * nrows + 0.3),
+                             squeeze=False)
+    for slot, ax in enumerate(axes.flat):
+        ax.axis("off")
+        if slot < len(images):
+            ax.imshow(_as_displayable(images[slot]), interpolation="nearest")
+            if titles is not None:
+                ax.set_title(titles[slot], fontsize=9)
+    if suptitle:
+        fig.suptitle(suptitle)
+    fig.tight_layout()
+    return fig
+
+
+def augmentation_grid(image, transform: Callable, draws: int = 7, seed: int = 0,
+                      title: str | None = None):
+    """The original image beside ``draws`` augmented versions, reproducible from ``seed``."""
+    torch.manual_seed(seed)
+    augmented = [transform(image) for _ in range(draws)]
+    return show_images([image, *augmented], ["original"] + [f"draw {i + 1}" for i in
+                                                            range(draws)],
+                       ncols=draws + 1, suptitle=title)
+
+
+def explorer_transform(rotation: float, brightness: float, contrast: float,
+                       saturation: float, flip: bool, crop_scale: float) -> v2.Compose:
+    """The deterministic transform the explorer shows for one setting of its sliders."""
+    steps: list = [
+        v2.Lambda(lambda img: TF.rotate(img, rotation)),
+        v2.Lambda(lambda img: TF.adjust_brightness(img, brightness)),
+        v2.Lambda(lambda img: TF.adjust_contrast(img, contrast)),
+        v2.Lambda(lambda img: TF.adjust_saturation(img, saturation)),
+    ]
+    if flip:
+        steps.append(v2.Lambda(TF.horizontal_flip))
+    if crop_scale < 1:
+        steps.append(v2.Lambda(lambda img: _centre_crop_fraction(img, crop_scale)))
+    return v2.Compose(steps)
+
+
+def _centre_crop_fraction(image, scale: float):
+    width, height = TF.get_size(image)[::-1]
+    keep = scale ** 0.5  # scale is a fraction of the area, as in RandomResizedCrop
+    cropped = TF.center_crop(image, [max(1, round(height * keep)), max(1, round(width * keep))])
+    return TF.resize(cropped, [height, width])
+
+
+EXPLORER_PRESETS = {
+    "rotation -30": {"rotation": -30},
+    "rotation +30": {"rotation": 30},
+    "brightness 0.5": {"brightness": 0.5},
+    "contrast 1.8": {"contrast": 1.8},
+    "saturation 0": {"saturation": 0},
+    "flip": {"flip": True},
+    "crop scale 0.4": {"crop_scale": 0.4},
+}
+_NEUTRAL = {"rotation": 0.0, "brightness": 1.0, "contrast": 1.0, "saturation": 1.0,
+            "flip": False, "crop_scale": 1.0}
+
+
+def explorer_presets(image):
+    """A static grid of what each slider does at one setting, drawn under the explorer so
+    that a page without a widget front end (a script, nbconvert, GitHub) still shows it."""
+    images = [image] + [explorer_transform(**{**_NEUTRAL, **preset})(image)
+                        for preset in EXPLORER_PRESETS.values()]
+    return show_images(images, ["original", *EXPLORER_PRESETS], ncols=len(images), size=1.8)
+
+
+def augmentation_explorer(image):
+    """Sliders for rotation, brightness, contrast, saturation, flip and crop scale that
+    redraw ``image`` live, above a static grid of presets (see :func:`explorer_presets`)."""
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    controls = {
+        "rotation": widgets.FloatSlider(0, min=-180, max=180, step=5, description="rotation"),
+        "brightness": widgets.FloatSlider(1, min=0.2, max=2, step=0.1, description="brightness"),
+        "contrast": widgets.FloatSlider(1, min=0.2, max=2, step=0.1, description="contrast"),
+        "saturation": widgets.FloatSlider(1, min=0, max=2, step=0.1, description="saturation"),
+        "flip": widgets.Checkbox(False, description="flip"),
+        "crop_scale": widgets.FloatSlider(1, min=0.2, max=1, step=0.05, description="crop scale"),
+    }
+
+    def draw(**settings):
+        transformed = explorer_transform(**settings)(image)
+        fig = show_images([image, transformed], ["original", "transformed"], size=3)
+        plt.show()
+        return fig
+
+    panel = widgets.interactive(draw, **controls)
+    display(panel)
+    explorer_presets(image)
+    plt.show()
+    return panel
