@@ -121,3 +121,41 @@ def augmentation_explorer(image):
     explorer_presets(image)
     plt.show()
     return panel
+
+
+def sampler_partitions(orders: dict[int, list[list[int]]], dataset_size: int, title: str = ""):
+    """Which rank reads each sample, epoch by epoch, and in what order.
+
+    Args:
+        orders: ``orders[epoch][rank]`` is the list of indices that rank drew that epoch.
+        dataset_size: number of samples; padded duplicates are marked with a black dot.
+
+    Each row is an epoch, each column a position in the epoch's global order (rank 0's
+    share, then rank 1's...); a cell's colour is the rank and its number the sample index.
+    """
+    epochs = sorted(orders)
+    ranks = len(orders[epochs[0]])
+    per_rank = len(orders[epochs[0]][0])
+    fig, ax = plt.subplots(figsize=(min(0.32 * per_rank * ranks + 1.5, 16), 0.5 * len(epochs) + 1))
+    colours = plt.get_cmap("tab10")
+    for row, epoch in enumerate(epochs):
+        seen: set[int] = set()
+        for rank, indices in enumerate(orders[epoch]):
+            for slot, index in enumerate(indices):
+                column = rank * per_rank + slot
+                ax.add_patch(plt.Rectangle((column, row), 1, 1, color=colours(rank), alpha=0.6))
+                ax.text(column + 0.5, row + 0.5, str(index), ha="center", va="center",
+                        fontsize=6)
+                if index in seen:
+                    ax.plot(column + 0.85, row + 0.2, "k.", markersize=5)
+                seen.add(index)
+    ax.set(xlim=(0, per_rank * ranks), ylim=(len(epochs), 0),
+           yticks=[r + 0.5 for r in range(len(epochs))],
+           yticklabels=[f"epoch {e}" for e in epochs], xticks=[])
+    ax.set_title(title, pad=18)
+    for rank in range(ranks):
+        ax.text((rank + 0.5) * per_rank, -0.1, f"rank {rank}", ha="center", va="bottom",
+                color=colours(rank))
+    ax.set_xlabel(f"{dataset_size} samples; black dot: a padded duplicate")
+    fig.tight_layout()
+    return fig

@@ -10,13 +10,15 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchvision.datasets import ImageFolder
 from torchvision.transforms.functional import pil_to_tensor
 
+from mgpu_helpers import launch
 from mgpu_helpers.data import (
     BadImageError,
     ImageDataset,
+    load_cifar10,
     loader_generator,
     names_collate,
     pad_collate,
@@ -225,3 +227,49 @@ def test_preparation_does_not_touch_the_clone_when_told_where(tmp_path, monkeypa
 
     assert data_dir() == tmp_path
     assert os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------------- CIFAR-10
+
+
+def test_cifar10_absent_without_download_points_to_embedded_data(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"Pass download=True .*prepare_digits\(\)"):
+        load_cifar10(root=tmp_path)
+
+
+def test_cifar10_offline_download_says_so(tmp_path, monkeypatch):
+    import urllib.error
+
+    import torchvision.datasets
+
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+
+    # Never touch the network in tests: the download itself is what fails.
+    monkeypatch.setattr(torchvision.datasets.CIFAR10, "download", offline)
+    with pytest.raises(ConnectionError, match=r"looks offline.*prepare_digits\(\)"):
+        load_cifar10(root=tmp_path, download=True)
+
+
+# ------------------------------------------------------------ DistributedSampler
+
+
+def sampler_epochs(dataset_size, epochs):
+    sampler = DistributedSampler(range(dataset_size), shuffle=True, seed=0)
+    orders = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        orders.append(list(sampler))
+    return orders
+
+
+@pytest.mark.usefixtures("no_leftover_processes")
+@pytest.mark.parametrize("dataset_size", [10, 11])
+def test_sampler_covers_every_index_once_per_epoch_and_reshuffles(dataset_size):
+    per_rank = launch(sampler_epochs, dataset_size, 3, nprocs=2, return_all=True)
+    epochs = [per_rank[0][e] + per_rank[1][e] for e in range(3)]
+    padding = (-dataset_size) % 2
+    for order in epochs:
+        assert sorted(set(order)) == list(range(dataset_size))
+        assert len(order) == dataset_size + padding
+    assert epochs[0] != epochs[1] != epochs[2]

@@ -63,3 +63,13 @@ def test_presets_grid_has_original_and_every_preset():
     fig = viz.explorer_presets(Image.new("RGB", (8, 8), "red"))
     assert [ax.get_title() for ax in fig.axes] == ["original", *viz.EXPLORER_PRESETS]
     plt.close(fig)
+
+
+def test_sampler_partitions_marks_each_padded_duplicate():
+    orders = {0: [[4, 1, 0], [2, 3, 4]], 1: [[0, 2, 4], [1, 3, 0]]}
+    fig = viz.sampler_partitions(orders, 5, "t")
+    ax = fig.axes[0]
+    assert len(ax.patches) == 12
+    assert len(ax.lines) == 2  # one duplicate per epoch
+    assert [t.get_text() for t in ax.texts][:3] == ["4", "1", "0"]
+    plt.close(fig)

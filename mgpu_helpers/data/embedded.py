@@ -118,3 +118,37 @@ def prepare_photos(root: Path | None = None) -> Path:
         shutil.copyfile(source, staging / Path(source).name)
     _publish(staging, root, 1)
     return root
+
+
+def load_cifar10(train: bool = True, download: bool = False, root: Path | None = None,
+                 transform=None):
+    """CIFAR-10 through torchvision, for readers who are online; never downloads silently.
+
+    Args:
+        train: the 50,000-image training split, else the 10,000-image test split.
+        download: fetch the archive (about 170 MB) if it is not under ``root`` yet.
+        root: folder for the archive; default ``data_dir() / "cifar10"``.
+        transform: applied to each PIL image.
+
+    Raises:
+        FileNotFoundError: the data is not there and ``download`` is False.
+        ConnectionError: the download failed (offline); the message points to the
+            embedded digits, which every chapter can use instead.
+    """
+    from torchvision.datasets import CIFAR10
+
+    root = Path(root) if root is not None else data_dir() / "cifar10"
+    offline_hint = ("The workbook's embedded data needs no network: use "
+                    "mgpu_helpers.data.prepare_digits() (32x32 RGB, 10 classes) instead.")
+    try:
+        return CIFAR10(str(root), train=train, download=download, transform=transform)
+    except RuntimeError as exc:
+        if download or "not found or corrupted" not in str(exc):
+            raise
+        raise FileNotFoundError(
+            f"CIFAR-10 is not in {root}. Pass download=True to fetch it (about 170 MB, "
+            f"needs internet access). {offline_hint}") from None
+    except OSError as exc:  # URLError and socket errors are OSErrors
+        raise ConnectionError(
+            f"could not download CIFAR-10 into {root} ({type(exc).__name__}: {exc}); this "
+            f"machine looks offline. {offline_hint}") from None

@@ -1,0 +1,32 @@
+"""Models the chapters train."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class SeedCNN(nn.Module):
+    """The seeds' CNN for 32x32 RGB images: conv 3->64, conv 64->64, max-pool,
+    fc 64*16*16 -> 512 -> classes.
+
+    The seed's version misses its imports and uses ``x.view(-1, 64*16*16)``, which breaks
+    on non-contiguous inputs (``channels_last``) and hides shape mistakes by silently
+    changing the batch size; ``torch.flatten(x, 1)`` keeps the batch dimension.
+    """
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv2d(64, 64, kernel_size=3, padding=1)
+        self.fc1 = nn.Linear(64 * 16 * 16, 512)
+        self.fc2 = nn.Linear(512, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-2:] != (32, 32):
+            raise ValueError(f"SeedCNN expects 32x32 images, got {tuple(x.shape[-2:])}")
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.relu(self.fc1(torch.flatten(x, 1)))
+        return self.fc2(x)
