@@ -1,0 +1,225 @@
+"""Training and evaluation loops with global metrics, and checkpoints that resume exactly.
+
+The seed's ``train``/``test`` loops report each rank's own loss and accuracy, so two
+ranks print two different "accuracies", and evaluating through ``DistributedSampler``
+counts its padded duplicates. Here every metric is summed across ranks before it is
+reported (every rank returns the same global numbers), and :func:`evaluate` shards the
+dataset without padding so each sample counts exactly once.
+
+Checkpoints are written by rank 0 only, atomically (temporary file, flush, fsync,
+``os.replace``), hold the unwrapped model (no ``module.`` prefix), the optimizer, the
+epoch and the random number generator states, and load with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Subset
+from tqdm.auto import tqdm
+
+from .dist import device as rank_device
+from .dist import is_main, rank, world_size
+
+CHECKPOINT_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Loss and accuracy over every sample seen by every rank."""
+
+    loss: float
+    accuracy: float
+    samples: int
+
+    def __str__(self) -> str:
+        return f"loss {self.loss:.4f}, accuracy {self.accuracy:.2%} over {self.samples} samples"
+
+
+def _global_metrics(loss_sum: torch.Tensor, correct: torch.Tensor, count: torch.Tensor) -> Metrics:
+    totals = torch.stack([loss_sum.double(), correct.double(), count.double()])
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_backend() == "nccl":
+            totals = totals.to(rank_device())
+        dist.all_reduce(totals)
+    loss_sum, correct, count = totals.tolist()
+    if count == 0:
+        raise ValueError("no samples were seen: is the loader or the dataset empty?")
+    return Metrics(loss_sum / count, correct / count, int(count))
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DistributedDataParallel / DataParallel wrapper (or the model)."""
+    return model.module if isinstance(model, (nn.DataParallel,
+                                              nn.parallel.DistributedDataParallel)) else model
+
+
+def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
+                    device: torch.device | str | None = None, epoch: int = 0,
+                    progress: bool = True) -> Metrics:
+    """One pass over ``loader``: forward, cross-entropy, backward, step.
+
+    Args:
+        model: the (possibly DDP-wrapped) model, already on ``device``.
+        loader: yields ``(images, labels)``. With a ``DistributedSampler``, call
+            ``sampler.set_epoch(epoch)`` before this, or every epoch repeats one order.
+        optimizer: steps once per batch.
+        device: where batches go; default this rank's device.
+        epoch: shown in the progress bar.
+        progress: show a progress bar (rank 0 only).
+
+    Returns:
+        The epoch's mean loss and accuracy over all ranks' samples.
+    """
+    device = torch.device(device) if device is not None else rank_device()
+    model.train()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    correct = torch.zeros((), dtype=torch.int64)
+    count = torch.zeros((), dtype=torch.int64)
+    bar = tqdm(loader, desc=f"epoch {epoch}", unit="batch", leave=False,
+               disable=not (progress and is_main()))
+    for images, labels in bar:
+        images = images.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(images)
+        loss = F.cross_entropy(logits, labels)
+        loss.backward()
+        optimizer.step()
+        loss_sum += loss.detach().double().cpu() * len(labels)
+        correct += (logits.detach().argmax(1) == labels).sum().cpu()
+        count += len(labels)
+    bar.close()
+    return _global_metrics(loss_sum, correct, count)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset, batch_size: int = 256,
+             device: torch.device | str | None = None, num_workers: int = 0) -> Metrics:
+    """Loss and accuracy over ``dataset``, each sample counted exactly once across ranks.
+
+    Each rank evaluates ``dataset[rank::world_size]`` (no padding, so shards may differ
+    by one sample) and the sums are added up across ranks.
+    """
+    device = torch.device(device) if device is not None else rank_device()
+    shard = Subset(dataset, range(rank(), len(dataset), world_size()))
+    loader = DataLoader(shard, batch_size=batch_size, num_workers=num_workers)
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    correct = torch.zeros((), dtype=torch.int64)
+    count = torch.zeros((), dtype=torch.int64)
+    for images, labels in loader:
+        images, labels = images.to(device), labels.to(device)
+        logits = model(images)
+        loss_sum += F.cross_entropy(logits, labels, reduction="sum").double().cpu()
+        correct += (logits.argmax(1) == labels).sum().cpu()
+        count += len(labels)
+    return _global_metrics(loss_sum, correct, count)
+
+
+# ---------------------------------------------------------------------- checkpoints
+
+
+def _rng_state() -> dict:
+    keys_kind, keys, position, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": {"kind": keys_kind, "keys": torch.from_numpy(keys.astype(np.int64)),
+                  "position": int(position), "has_gauss": int(has_gauss),
+                  "cached": float(cached)},
+    }
+    if torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _restore_rng(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    numpy_state = state["numpy"]
+    np.random.set_state((numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32),
+                         numpy_state["position"], numpy_state["has_gauss"],
+                         numpy_state["cached"]))
+    if "cuda" in state and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    epoch: int, sampler_epoch: int | None = None, extra: dict | None = None):
+    """Write a checkpoint atomically from rank 0; every rank waits until it is complete.
+
+    Args:
+        path: the checkpoint file. An existing one is replaced only once the new one is
+            fully written, so an interrupted save never destroys the last good checkpoint.
+        model: the model (DDP wrapper or not; it is saved unwrapped).
+        optimizer: its state (momentum buffers...) is needed to resume exactly.
+        epoch: the number of completed epochs.
+        sampler_epoch: the value for ``sampler.set_epoch`` when resuming (default: epoch).
+        extra: more plain data to store (metrics, configuration).
+    """
+    path = Path(path)
+    if is_main():
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "model": unwrap(model).state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "epoch": int(epoch),
+            "sampler_epoch": int(epoch if sampler_epoch is None else sampler_epoch),
+            "rng": _rng_state(),
+            "world_size": world_size(),
+            "extra": extra or {},
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a killed save
+            stale.unlink(missing_ok=True)
+        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            with open(temporary, "wb") as handle:
+                torch.save(state, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, path)
+        finally:
+            temporary.unlink(missing_ok=True)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # nobody loads or overwrites it while rank 0 is still writing
+
+
+def load_checkpoint(path: str | Path, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None,
+                    restore_rng: bool = True) -> dict:
+    """Load a checkpoint into ``model`` (and ``optimizer``) on this rank's device.
+
+    Returns:
+        ``{"epoch", "sampler_epoch", "world_size", "extra"}`` from the checkpoint.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    try:
+        state = torch.load(path, map_location=rank_device(), weights_only=True)
+    except Exception as exc:
+        raise RuntimeError(
+            f"checkpoint {path} is unreadable ({type(exc).__name__}: {exc}). It may be "
+            "truncated or from another program; the previous good file is gone only if "
+            "it was overwritten by something other than save_checkpoint."
+        ) from exc
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise RuntimeError(f"{path} is not a checkpoint written by save_checkpoint")
+    weights = {key.removeprefix("module."): value for key, value in state["model"].items()}
+    unwrap(model).load_state_dict(weights)
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    if restore_rng:
+        _restore_rng(state["rng"])
+    return {key: state[key] for key in ("epoch", "sampler_epoch", "world_size", "extra")}
