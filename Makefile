@@ -36,7 +36,7 @@ lab: $(STAMP)
 test: lint unit nbval
 
 lint: $(STAMP)
-	$(BIN)/ruff check mgpu_helpers tests notebooks benchmarks
+	$(BIN)/ruff check mgpu_helpers tests notebooks benchmarks scripts
 
 unit: $(STAMP)
 	$(BIN)/pytest tests

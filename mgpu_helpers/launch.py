@@ -346,22 +346,35 @@ class _Rank:
             pass
 
     def emit(self, stream: str, data: bytes) -> None:
+        """Print complete lines; pass on a progress bar's carriage-return updates live.
+
+        A ``\r`` means "overwrite the current line" (tqdm redraws its bar that way), so
+        only the text after a line's last ``\r`` is kept, and an unfinished line whose
+        latest update is complete is shown with ``end="\r"``, to be overwritten.
+        """
         buffered = self.partial[stream] + data
-        *lines, self.partial[stream] = buffered.split(b"\n")
+        *lines, rest = buffered.split(b"\n")
         for line in lines:
-            self._print(stream, line.decode("utf-8", errors="replace"))
+            self._print(stream, line.rsplit(b"\r", 1)[-1].decode("utf-8", errors="replace"))
+        if b"\r" in rest:
+            updates = rest.split(b"\r")
+            latest = next((u for u in reversed(updates[:-1]) if u.strip()), b"")
+            if latest:
+                self._print(stream, latest.decode("utf-8", errors="replace"), end="\r")
+            rest = updates[-1]
+        self.partial[stream] = rest
 
     def flush_partial(self) -> None:
         for stream, rest in self.partial.items():
-            if rest:
+            if rest.strip():
                 self._print(stream, rest.decode("utf-8", errors="replace"))
-                self.partial[stream] = b""
+            self.partial[stream] = b""
 
-    def _print(self, stream: str, text: str) -> None:
+    def _print(self, stream: str, text: str, end: str = "\n") -> None:
         if self.capture is not None and stream == "stderr":
             self.capture.append(text)
             return
-        print(f"[rank {self.index}] {text}", file=getattr(sys, stream), flush=True)
+        print(f"[rank {self.index}] {text}", file=getattr(sys, stream), end=end, flush=True)
 
     def describe_end(self) -> str:
         code = self.process.exitcode

@@ -24,10 +24,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Subset
-from tqdm.auto import tqdm
+from tqdm import tqdm as text_tqdm
+from tqdm.auto import tqdm as auto_tqdm
 
 from .dist import device as rank_device
 from .dist import is_main, rank, world_size
+from .launch import INSIDE_RANK_VAR
 
 CHECKPOINT_FORMAT = 1
 
@@ -84,8 +86,11 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
     loss_sum = torch.zeros((), dtype=torch.float64)
     correct = torch.zeros((), dtype=torch.int64)
     count = torch.zeros((), dtype=torch.int64)
-    bar = tqdm(loader, desc=f"epoch {epoch}", unit="batch", leave=False,
-               disable=not (progress and is_main()))
+    # A rank forked from a notebook must not draw a notebook widget: its connection to
+    # the front end belongs to the parent. The launcher shows a text bar's updates live.
+    bar_type = text_tqdm if os.environ.get(INSIDE_RANK_VAR) else auto_tqdm
+    bar = bar_type(loader, desc=f"epoch {epoch}", unit="batch", leave=False,
+                   disable=not (progress and is_main()))
     for images, labels in bar:
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)

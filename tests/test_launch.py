@@ -419,3 +419,18 @@ def test_unknown_start_method():
 def test_unpicklable_argument_under_spawn_is_refused_before_starting():
     with pytest.raises(LaunchError, match="cannot send the function or its arguments"):
         launch(lambda lock: None, threading.Lock(), nprocs=2, start_method="spawn")
+
+
+def progress_bar():
+    sys.stderr.write("\rstep 1/3")
+    sys.stderr.write("\rstep 2/3")
+    sys.stderr.write("\rstep 3/3\n")
+    sys.stderr.write("\rhalf a line\rlatest update\r")
+
+
+def test_carriage_returns_keep_only_the_latest_update(capfd):
+    launch(progress_bar, nprocs=1)
+    err = capfd.readouterr().err
+    assert "[rank 0] step 3/3\n" in err
+    assert "[rank 0] step 1/3\n" not in err, "overwritten updates never end a line"
+    assert "[rank 0] latest update\r" in err
