@@ -655,14 +655,37 @@ def _cluster_environment() -> dict | None:
     return None
 
 
+def _elastic_store(cluster: dict, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store under torchrun, with keys kept apart per restart attempt.
+
+    torchrun's agent may serve one store for the whole job. After a restart
+    (``--max-restarts``), keys written by the previous attempt's workers (their gloo
+    addresses) are still there, and a new worker can read a dead worker's address before
+    its replacement overwrites it ("Connection refused" in connectFullMesh). A prefix per
+    attempt makes every attempt start from an empty namespace.
+    """
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          cluster["world_size"], not agent_hosts and cluster["rank"] == 0,
+                          timeout=timeout)
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    return dist.PrefixStore(f"/mgpu_helpers/attempt_{attempt}", store)
+
+
 def _run_in_this_process(fn, args, kwargs, cluster: dict, backend: str, timeout: float):
     os.environ.setdefault("LOCAL_RANK", str(cluster["local_rank"]))
     backend = _resolve_backend(backend, count_gpus())
     if backend == "nccl":
         torch.cuda.set_device(cluster["local_rank"])
-    dist.init_process_group(backend, init_method=cluster["init_method"],
-                            rank=cluster["rank"], world_size=cluster["world_size"],
-                            timeout=datetime.timedelta(seconds=timeout))
+    group_timeout = datetime.timedelta(seconds=timeout)
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        dist.init_process_group(backend, store=_elastic_store(cluster, group_timeout),
+                                rank=cluster["rank"], world_size=cluster["world_size"],
+                                timeout=group_timeout)
+    else:
+        dist.init_process_group(backend, init_method=cluster["init_method"],
+                                rank=cluster["rank"], world_size=cluster["world_size"],
+                                timeout=group_timeout)
     try:
         value = fn(*args, **kwargs)
     except BaseException:
