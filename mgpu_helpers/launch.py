@@ -616,11 +616,10 @@ def _run_ranks(ctx, nprocs, spec_args: dict, work, listener, join_timeout, retur
 
 def _first_slurm_host(nodelist: str) -> str:
     """First host of a SLURM node list such as 'gpu[03-05,09],cpu1' (gives 'gpu03')."""
-    first = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist
-    if "[" not in first:
-        return first.strip()
-    prefix, rest = first.split("[", 1)
-    return prefix + rest.split("]")[0].split(",")[0].split("-")[0]
+    prefix, bracket, ranges = nodelist.strip().partition("[")
+    if "," in prefix or not bracket:  # the first host has no bracketed range
+        return prefix.split(",")[0]
+    return prefix + ranges.split("]")[0].split(",")[0].split("-")[0]
 
 
 def _cluster_environment() -> dict | None:
@@ -645,8 +644,8 @@ def _cluster_environment() -> dict | None:
                 f"inside a SLURM step with several tasks, but {', '.join(missing)} "
                 "missing; run the script with srun, or with torchrun"
             )
-        port = int(os.environ.get("MASTER_PORT", 20000 + int(os.environ.get("SLURM_JOB_ID", "0"))
-                                  % 20000))
+        job_port = 20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000
+        port = int(os.environ.get("MASTER_PORT", job_port))
         addr = os.environ.get("MASTER_ADDR", _first_slurm_host(nodelist))
         return {"rank": int(os.environ["SLURM_PROCID"]),
                 "world_size": int(os.environ["SLURM_NTASKS"]),

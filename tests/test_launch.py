@@ -330,7 +330,8 @@ def test_partial_slurm_variables_are_listed(monkeypatch):
 
 
 @pytest.mark.parametrize(("nodelist", "first"), [
-    ("node7", "node7"), ("gpu[03-05,09]", "gpu03"), ("a1,b2", "a1"), ("x[1,4],y", "x1")])
+    ("node7", "node7"), ("gpu[03-05,09]", "gpu03"), ("a1,b2", "a1"), ("x[1,4],y", "x1"),
+    ("a1,b[2-3]", "a1")])
 def test_first_slurm_host(nodelist, first):
     assert launch_module._first_slurm_host(nodelist) == first
 
