@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import random
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,39 +67,68 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
                     device: torch.device | str | None = None, epoch: int = 0,
-                    progress: bool = True) -> Metrics:
+                    progress: bool = True, accumulate: int = 1,
+                    amp_dtype: torch.dtype | None = None,
+                    scaler: torch.amp.GradScaler | None = None) -> Metrics:
     """One pass over ``loader``: forward, cross-entropy, backward, step.
 
     Args:
         model: the (possibly DDP-wrapped) model, already on ``device``.
         loader: yields ``(images, labels)``. With a ``DistributedSampler``, call
             ``sampler.set_epoch(epoch)`` before this, or every epoch repeats one order.
-        optimizer: steps once per batch.
+        optimizer: steps once per ``accumulate`` batches.
         device: where batches go; default this rank's device.
         epoch: shown in the progress bar.
         progress: show a progress bar (rank 0 only).
+        accumulate: batches whose gradients are summed before each optimizer step. Under
+            DDP all but the last batch of a group run inside ``model.no_sync()``, so the
+            gradients are averaged across ranks once per step, not once per batch. Each
+            loss is divided by the group's size: the step sees the mean over the group.
+            A last group shorter than ``accumulate`` is divided by its own size.
+        amp_dtype: run forward and loss under ``torch.autocast`` in this dtype
+            (``torch.bfloat16`` on CPUs and recent GPUs, ``torch.float16`` on GPUs with
+            a ``scaler``); None trains in float32.
+        scaler: a ``torch.amp.GradScaler`` for float16 training (scales the loss so small
+            gradients do not underflow, skips steps whose gradients overflowed).
 
     Returns:
         The epoch's mean loss and accuracy over all ranks' samples.
     """
+    if not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"accumulate must be a whole number >= 1, got {accumulate!r}")
     device = torch.device(device) if device is not None else rank_device()
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float64)
     correct = torch.zeros((), dtype=torch.int64)
     count = torch.zeros((), dtype=torch.int64)
+    batches = len(loader) if accumulate > 1 else None  # a loader without len: accumulate=1
+    can_skip_sync = isinstance(model, nn.parallel.DistributedDataParallel)
     # A rank forked from a notebook must not draw a notebook widget: its connection to
     # the front end belongs to the parent. The launcher shows a text bar's updates live.
     bar_type = text_tqdm if os.environ.get(INSIDE_RANK_VAR) else auto_tqdm
     bar = bar_type(loader, desc=f"epoch {epoch}", unit="batch", leave=False,
                    disable=not (progress and is_main()))
-    for images, labels in bar:
+    optimizer.zero_grad(set_to_none=True)
+    for step, (images, labels) in enumerate(bar):
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
-        optimizer.zero_grad(set_to_none=True)
-        logits = model(images)
-        loss = F.cross_entropy(logits, labels)
-        loss.backward()
-        optimizer.step()
+        group_start = step - step % accumulate
+        group_size = 1 if batches is None else min(accumulate, batches - group_start)
+        steps_now = step == group_start + group_size - 1
+        syncing = nullcontext() if steps_now or not can_skip_sync else model.no_sync()
+        with syncing:
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                logits = model(images)
+                loss = F.cross_entropy(logits, labels)
+            share = loss / group_size if group_size > 1 else loss
+            (scaler.scale(share) if scaler is not None else share).backward()
+        if steps_now:
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         loss_sum += loss.detach().double().cpu() * len(labels)
         correct += (logits.detach().argmax(1) == labels).sum().cpu()
         count += len(labels)

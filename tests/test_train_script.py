@@ -1,5 +1,8 @@
 """scripts/train_ddp.py: the same run by launch() and by torchrun, and surviving a killed rank."""
 
+import json
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +62,62 @@ def test_killed_rank_restarts_resumes_and_matches_the_uninterrupted_run(uninterr
                   "--die-at-epoch", "1", "--die-rank", "1"])
     assert "resuming from" in output and "at epoch 1" in output
     assert_same_weights(weights(checkpoint), weights(uninterrupted))
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# Bitwise equality needs the same intra-op thread count as the other runs: torchrun sets
+# OMP_NUM_THREADS=1 only when it starts several processes per node, launch() uses 1.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+def run_together(commands, envs, timeout=300):
+    """Start one process per (command, env) at once, like nodes or SLURM tasks."""
+    processes = [subprocess.Popen(command, env={**os.environ, **env}, cwd=ROOT, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                 for command, env in zip(commands, envs, strict=True)]
+    try:
+        outputs = [process.communicate(timeout=timeout)[0] for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+    for process, output in zip(processes, outputs, strict=True):
+        assert process.returncode == 0, output[-3000:]
+    return outputs
+
+
+def test_two_torchrun_nodes_on_localhost_give_the_same_weights(uninterrupted, tmp_path):
+    checkpoint, result = tmp_path / "nodes.pt", tmp_path / "nodes.json"
+    endpoint = f"127.0.0.1:{free_port()}"
+    commands = [[TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+                 "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "nodes",
+                 "--master-addr", "127.0.0.1", SCRIPT, *QUICK, "--checkpoint", str(checkpoint),
+                 "--result", str(result)] for node in range(2)]
+    outputs = run_together(commands, [ONE_THREAD, ONE_THREAD])
+    assert sum("test loss" in output for output in outputs) == 1  # printed by rank 0 only
+    assert_same_weights(weights(checkpoint), weights(uninterrupted))
+    assert json.loads(result.read_text())["test"]["samples"] == 355
+
+
+def test_simulated_slurm_step_gives_the_same_weights(uninterrupted, tmp_path):
+    checkpoint = tmp_path / "slurm.pt"
+    command = [sys.executable, SCRIPT, *QUICK, "--checkpoint", str(checkpoint)]
+    base = {**ONE_THREAD, "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost",
+            "SLURM_JOB_ID": "77", "MASTER_PORT": str(free_port())}
+    envs = [{**base, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task)} for task in (0, 1)]
+    run_together([command, command], envs)
+    assert_same_weights(weights(checkpoint), weights(uninterrupted))
+
+
+def test_bad_options_are_refused_before_anything_starts(tmp_path):
+    done = subprocess.run([sys.executable, SCRIPT, "--accumulate", "0", "--nprocs", "2",
+                           "--checkpoint", str(tmp_path / "never.pt")],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 2
+    assert "accumulate must be a whole number >= 1" in done.stderr
+    assert not (tmp_path / "never.pt").exists()

@@ -1,0 +1,58 @@
+"""Chapter 04's training run: settings checked, exact resume, results reported."""
+
+import pytest
+import torch
+
+from mgpu_helpers import launch
+from mgpu_helpers.recipe import DigitsRun, train_digits
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+QUICK = {"epochs": 2, "limit": 64, "batch_size": 16, "progress": False}
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("epochs", 0, "epochs must be a whole number >= 1"),
+    ("batch_size", 2.5, "batch_size must be a whole number >= 1"),
+    ("accumulate", 0, "accumulate must be a whole number >= 1"),
+    ("limit", 0, "limit must be None or a whole number >= 1"),
+    ("stop_after", -1, "stop_after must be None or a whole number >= 1"),
+    ("lr", 0.0, "lr must be positive"),
+    ("workers", -1, "workers must be >= 0"),
+    ("amp", "fp8", "amp must be None or one of"),
+])
+def test_bad_settings_are_named(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        DigitsRun(**{field: value})
+
+
+def test_interrupted_and_resumed_run_ends_bitwise_equal_to_a_straight_run(tmp_path):
+    straight = launch(train_digits, DigitsRun(**QUICK, checkpoint=tmp_path / "a.pt"), nprocs=2)
+    first = launch(train_digits, DigitsRun(**QUICK, checkpoint=tmp_path / "b.pt", stop_after=1),
+                   nprocs=2)
+    resumed = launch(train_digits, DigitsRun(**QUICK, checkpoint=tmp_path / "b.pt"), nprocs=2)
+    assert [e["epoch"] for e in straight["history"]] == [0, 1]
+    assert [e["epoch"] for e in first["history"]] == [0]
+    assert [e["epoch"] for e in resumed["history"]] == [1]
+    a = torch.load(tmp_path / "a.pt", weights_only=True)
+    b = torch.load(tmp_path / "b.pt", weights_only=True)
+    assert a["epoch"] == b["epoch"] == 2
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    assert resumed["test"] == straight["test"]
+    assert resumed["history"][0]["loss"] == straight["history"][1]["loss"]
+
+
+def test_result_reports_history_settings_and_global_test_metrics():
+    result = launch(train_digits, DigitsRun(**QUICK, evaluate_every_epoch=False), nprocs=2)
+    assert result["test"]["samples"] == 355          # the whole test split, counted once
+    assert result["settings"]["epochs"] == 2 and result["settings"]["checkpoint"] is None
+    for entry in result["history"]:
+        assert entry.keys() == {"epoch", "loss", "accuracy", "seconds", "samples_per_s"}
+        assert entry["samples_per_s"] > 0
+
+
+def test_accumulation_and_bfloat16_run_end_to_end():
+    result = launch(train_digits, DigitsRun(**QUICK, accumulate=2, amp="bfloat16"), nprocs=2)
+    assert 0 <= result["test"]["accuracy"] <= 1
+    assert all("test_accuracy" in entry for entry in result["history"])
