@@ -47,9 +47,9 @@ class DigitsRun:
     test hook for ``torchrun --max-restarts``.
     """
 
-    epochs: int = 5
+    epochs: int = 4
     batch_size: int = 32
-    lr: float = 0.01
+    lr: float = 0.02
     seed: int = 0
     checkpoint: Path | None = None
     stop_after: int | None = None
@@ -83,13 +83,24 @@ class DigitsRun:
             self.checkpoint = Path(self.checkpoint)
 
 
+def spread_subset(dataset, size: int, seed: int = 0) -> Subset:
+    """``size`` samples drawn from the whole dataset (a fixed random choice, kept in
+    dataset order). The first ``size`` samples would not do: image folders list one
+    class after the other, so they would hold one or two digits only."""
+    if size > len(dataset):
+        raise ValueError(f"asked for {size} samples of a dataset of {len(dataset)}")
+    chosen = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))
+    return Subset(dataset, sorted(chosen[:size].tolist()))
+
+
 def digits_datasets(run: DigitsRun) -> tuple:
-    """(train, test) datasets: the train split augmented, optionally cut to ``limit``."""
+    """(train, test) datasets: the train split augmented, optionally cut to ``limit``
+    samples spread over all classes."""
     digits = prepare_digits(progress=is_main())
     train_set = ImageDataset(digits / "train",
                              transform=AUGMENT if run.augment else v2.Compose(TO_TENSOR))
     if run.limit is not None:
-        train_set = Subset(train_set, range(min(run.limit, len(train_set))))
+        train_set = spread_subset(train_set, min(run.limit, len(train_set)))
     return train_set, ImageDataset(digits / "test", transform=v2.Compose(TO_TENSOR))
 
 

@@ -23,10 +23,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from .data import ImageDataset, loader_generator, prepare_digits
+from .dist import device as rank_device
 from .dist import rank, world_size
 from .launch import launch
 from .models import SeedCNN
-from .recipe import AUGMENT
+from .recipe import AUGMENT, spread_subset
 from .train import train_one_epoch
 
 
@@ -88,10 +89,11 @@ def _timed_epoch(per_rank_samples: int, batch_size: int, warmup_batches: int,
     if total > len(dataset):
         raise ValueError(f"{per_rank_samples} samples per rank x {world_size()} ranks is more "
                          f"than the {len(dataset)} training images")
-    dataset = Subset(dataset, range(total))
+    dataset = spread_subset(dataset, total)
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)
     torch.manual_seed(0)
-    model = DDP(SeedCNN())
+    device = rank_device()
+    model = DDP(SeedCNN().to(device), device_ids=[device.index] if device.type == "cuda" else None)
     if comm_hook is not None:
         model.register_comm_hook(None, COMM_HOOKS[comm_hook])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -109,8 +111,13 @@ def _timed_epoch(per_rank_samples: int, batch_size: int, warmup_batches: int,
 
 
 def measure(setups=DEFAULT_SETUPS, per_rank_samples: int = 512, batch_size: int = 32,
-            repeats: int = 3, warmup_batches: int = 2, progress=None) -> dict:
+            repeats: int = 3, warmup_batches: int = 2, backend: str = "gloo",
+            progress=None) -> dict:
     """Throughput (samples/s, all ranks together) of each setup, ``repeats`` times each.
+
+    The default measures CPU ranks over gloo on any machine. On a GPU node pass
+    ``backend="nccl"`` (one GPU per rank: ranks <= GPUs; ``threads`` then only sets the
+    CPU threads of each rank's data loading and Python side).
 
     The setups take turns (round-robin), so a slow spell of the machine hits all of them
     alike; the median of the repeats is reported.
@@ -127,7 +134,7 @@ def measure(setups=DEFAULT_SETUPS, per_rank_samples: int = 512, batch_size: int 
         for setup in setups:
             runs[setup].append(launch(_timed_epoch, per_rank_samples, batch_size,
                                       warmup_batches, setup.comm_hook, setup.accumulate,
-                                      nprocs=setup.ranks,
+                                      nprocs=setup.ranks, backend=backend,
                                       cpu_threads=setup.threads))
             if progress is not None:
                 progress(round_index, setup, runs[setup][-1])

@@ -12,7 +12,24 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.nn.functional import all_reduce
+
+
+class _SumAcrossRanks(torch.autograd.Function):
+    """all_reduce(SUM) that autograd can differentiate: the gradient of a sum over ranks
+    with respect to each rank's input is the sum over ranks of the output's gradient."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        total = tensor.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class CpuSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -41,7 +58,7 @@ class CpuSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         count = torch.tensor([input.numel() / channels], dtype=input.dtype,
                              device=input.device)
         stats = torch.cat([input.sum(dims), (input * input).sum(dims), count])
-        stats = all_reduce(stats, group=group)
+        stats = _SumAcrossRanks.apply(stats, group)
         total = stats[-1]
         mean = stats[:channels] / total
         var = stats[channels:2 * channels] / total - mean * mean

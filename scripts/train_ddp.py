@@ -25,15 +25,17 @@ from mgpu_helpers.recipe import AMP_DTYPES, DigitsRun, train_digits
 
 
 def parse_args(argv=None) -> tuple[DigitsRun, argparse.Namespace]:
+    defaults = DigitsRun()  # the chapter's settings
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.01)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epochs", type=int, default=defaults.epochs)
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="per rank")
+    parser.add_argument("--lr", type=float, default=defaults.lr, help="SGD, momentum 0.9")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--checkpoint", type=Path, default=Path("runs/train_ddp.pt"))
     parser.add_argument("--limit", type=int, default=None,
                         help="train on the first N training images only (quick runs)")
-    parser.add_argument("--workers", type=int, default=0, help="DataLoader workers per rank")
+    parser.add_argument("--workers", type=int, default=defaults.workers,
+                        help="DataLoader workers per rank")
     parser.add_argument("--accumulate", type=int, default=1,
                         help="batches per optimizer step (gradient accumulation, no_sync)")
     parser.add_argument("--amp", choices=sorted(AMP_DTYPES), default=None,

@@ -56,3 +56,12 @@ def test_accumulation_and_bfloat16_run_end_to_end():
     result = launch(train_digits, DigitsRun(**QUICK, accumulate=2, amp="bfloat16"), nprocs=2)
     assert 0 <= result["test"]["accuracy"] <= 1
     assert all("test_accuracy" in entry for entry in result["history"])
+
+
+def test_limited_runs_train_on_every_class():
+    from mgpu_helpers.recipe import digits_datasets
+    train_set, _ = digits_datasets(DigitsRun(limit=100, augment=False))
+    labels = {train_set[i][1] for i in range(len(train_set))}
+    assert len(train_set) == 100 and labels == set(range(10))
+    indices = train_set.indices
+    assert indices == sorted(indices) and len(set(indices)) == 100
