@@ -159,12 +159,24 @@ def add_efficiency(rows: list[dict]) -> None:
     """Set ``row["efficiency"]`` on every multi-rank, one-thread row: its throughput /
     (ranks x the throughput of 1 rank, 1 thread, no hook, same accumulation). Like for
     like: accumulation also saves optimizer steps, which helps one rank as well.
-    None on other rows, or when that baseline was not measured."""
+
+    With repeats, the ratio is taken within each round (the setups of one round ran
+    back to back, under the same conditions) and the median of those ratios is
+    reported, in ``row["efficiency"]``; the ratios themselves go in
+    ``row["efficiency_runs"]``. None on other rows, or when the baseline is missing.
+    """
     for row in rows:
         base = _baseline(rows, row)
         row["efficiency"] = None
-        if base is not None and row["ranks"] > 1 and row["threads"] == 1:
-            row["efficiency"] = row["samples_per_s"] / (row["ranks"] * base["samples_per_s"])
+        if base is None or row["ranks"] == 1 or row["threads"] != 1:
+            continue
+        if len(row["runs"]) == len(base["runs"]):
+            ratios = [mine / (row["ranks"] * theirs)
+                      for mine, theirs in zip(row["runs"], base["runs"], strict=True)]
+        else:
+            ratios = [row["samples_per_s"] / (row["ranks"] * base["samples_per_s"])]
+        row["efficiency_runs"] = ratios
+        row["efficiency"] = statistics.median(ratios)
 
 
 def plot(result: dict, ax=None):
@@ -193,6 +205,7 @@ def plot(result: dict, ax=None):
         ax.annotate(text, (max(row["runs"]), y), xytext=(6, 0), textcoords="offset points",
                     va="center", fontsize=8)
     ax.plot([], [], color="#c0392b", lw=2, label="ideal: ranks x (1 rank, 1 thread)")
+    ax.plot([], [], " ", label="efficiency: median of the rounds' ratios")
     ax.legend(loc="upper right", fontsize=8)
     ax.set_yticks(positions, [row["label"] for row in rows], fontsize=8)
     ax.set_xlabel("training samples / s, all ranks together")

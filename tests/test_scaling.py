@@ -22,6 +22,15 @@ def test_efficiency_compares_like_with_like():
     assert [r["efficiency"] for r in rows] == [None, None, 0.9, None, 0.95, None]
 
 
+def test_efficiency_is_the_median_of_per_round_ratios():
+    # The machine slowed down in round 2; each round's ratio still says 0.95 and 1.0.
+    base = {**row(1, 1, 100), "runs": [100, 50, 100]}
+    ddp = {**row(2, 1, 190), "runs": [190, 100, 200]}
+    scaling.add_efficiency([base, ddp])
+    assert ddp["efficiency_runs"] == [0.95, 1.0, 1.0]
+    assert ddp["efficiency"] == 1.0
+
+
 def test_labels_say_what_runs():
     assert scaling.Setup(1, 1).label == "1 rank, 1 thread"
     assert scaling.Setup(2, 1, "fp16", 4).label == (
