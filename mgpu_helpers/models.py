@@ -30,3 +30,12 @@ class SeedCNN(nn.Module):
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         x = F.relu(self.fc1(torch.flatten(x, 1)))
         return self.fc2(x)
+
+
+def as_sequential(model: SeedCNN) -> nn.Sequential:
+    """The seed CNN as an ``nn.Sequential`` of its nine steps, sharing its layers, so that
+    it can be cut into pipeline stages (chapter 05). Computes exactly what ``model`` does."""
+    if not isinstance(model, SeedCNN):
+        raise TypeError(f"as_sequential takes a SeedCNN, got {type(model).__name__}")
+    return nn.Sequential(model.conv1, nn.ReLU(), model.conv2, nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), model.fc1, nn.ReLU(), model.fc2)

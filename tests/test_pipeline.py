@@ -1,0 +1,213 @@
+"""Pipeline pieces: splitting, costs and balanced cuts, the GPipe step, the timeline."""
+
+import matplotlib
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mgpu_helpers import LaunchError, launch, rank, world_size
+from mgpu_helpers import pipeline as pp
+
+matplotlib.use("Agg")
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+
+def mlp(depth=6, width=16, classes=4):
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, width), nn.Tanh()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(width, classes))
+
+
+def batch(n=24):
+    generator = torch.Generator().manual_seed(3)
+    return torch.randn(n, 8, generator=generator), torch.randint(0, 4, (n,), generator=generator)
+
+
+# ----------------------------------------------------------------- splitting
+
+
+def test_split_sequential_cuts_before_the_given_layers_and_shares_them():
+    model = mlp()
+    first, second, third = pp.split_sequential(model, [3, 7])
+    assert (len(first), len(second), len(third)) == (3, 4, len(model) - 7)
+    assert first[0] is model[0] and third[-1] is model[-1]
+    x, _ = batch()
+    torch.testing.assert_close(third(second(first(x))), model(x))
+
+
+@pytest.mark.parametrize(("cuts", "message"), [
+    ([0], "split point 0 is out of range: a model of 13 layers can be cut before layer 1 to 12"),
+    ([13], "split point 13 is out of range"),
+    ([2.5], "split point 2.5 is out of range"),
+    ([5, 3], "must be increasing and distinct"),
+    ([3, 3], "must be increasing and distinct"),
+])
+def test_bad_split_points_are_named(cuts, message):
+    with pytest.raises(ValueError, match=message):
+        pp.split_sequential(mlp(), cuts)
+
+
+def test_only_sequential_models_are_split():
+    with pytest.raises(TypeError, match="needs an nn.Sequential, got Linear"):
+        pp.split_sequential(nn.Linear(2, 2), [1])
+
+
+def test_micro_batch_count_must_divide_the_batch():
+    assert pp.micro_batch_size(24, 4) == 6
+    with pytest.raises(ValueError, match=r"5 micro-batches do not divide the batch of 24 "
+                                         r"samples: use one of \[1, 2, 3, 4, 6, 8, 12, 24\]"):
+        pp.micro_batch_size(24, 5)
+    with pytest.raises(ValueError, match="whole number >= 1"):
+        pp.micro_batch_size(24, 0)
+
+
+# --------------------------------------------------------- costs and cuts
+
+
+def test_layer_costs_count_parameters_flops_and_activations():
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    costs = pp.layer_costs(model, torch.randn(10, 8), repeats=1)
+    assert [c.parameters for c in costs] == [8 * 32 + 32, 0, 32 * 4 + 4]
+    assert [c.flops for c in costs] == [2 * 10 * 8 * 32, 0, 2 * 10 * 32 * 4]
+    assert [c.activation_bytes for c in costs] == [10 * 32 * 4, 10 * 32 * 4, 10 * 4 * 4]
+    assert all(c.seconds > 0 for c in costs)
+
+
+@pytest.mark.parametrize(("weights", "stages", "cuts"), [
+    ([1, 1, 1, 1], 2, [2]),
+    ([4, 1, 1, 1, 1], 2, [1]),
+    ([1, 1, 1, 1, 1, 1], 3, [2, 4]),
+    ([1, 5, 1, 1, 1, 1, 1], 3, [1, 2]),
+    ([3, 3], 1, []),
+])
+def test_balanced_cuts_minimise_the_heaviest_stage(weights, stages, cuts):
+    assert pp.balanced_cuts(weights, stages) == cuts
+
+
+def test_more_stages_than_layers_is_an_error():
+    with pytest.raises(ValueError, match="cannot cut 2 layers into 3 stages"):
+        pp.balanced_cuts([1, 1], 3)
+
+
+# --------------------------------------------------------------- the step
+
+
+def unsplit_reference():
+    model = mlp()
+    x, y = batch()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return loss.item(), [p.grad.clone() for p in model.parameters()]
+
+
+def pipelined(micro_batches, cuts, overlap=True):
+    model = mlp()
+    stage = pp.split_sequential(model, cuts)[rank()]
+    x, y = batch()
+    timeline = pp.Timeline(rank())
+    loss = pp.gpipe_step(stage, micro_batches, inputs=x if rank() == 0 else None,
+                         targets=y if rank() == world_size() - 1 else None,
+                         timeline=timeline, overlap=overlap)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()
+             if p.grad is not None}
+    return loss, grads, timeline.events
+
+
+@pytest.mark.parametrize(("micro_batches", "cuts", "overlap"), [
+    (1, [7], True), (4, [7], True), (3, [4, 9], True), (4, [7], False), (2, [4, 9], False)])
+def test_pipelined_gradients_equal_the_unsplit_models(micro_batches, cuts, overlap):
+    expected_loss, expected_grads = unsplit_reference()
+    names = [name for name, _ in mlp().named_parameters()]
+    ranks = launch(pipelined, micro_batches, cuts, overlap, nprocs=len(cuts) + 1,
+                   return_all=True, join_timeout=120)
+    grads = {}
+    for loss, rank_grads, events in ranks:
+        assert loss == pytest.approx(expected_loss, rel=1e-6)   # every rank gets the loss
+        assert sorted((e.kind, e.micro_batch) for e in events) == sorted(
+            (kind, m) for kind in ("forward", "backward") for m in range(micro_batches))
+        grads.update(rank_grads)
+    assert sorted(grads) == sorted(names)                      # every parameter, once
+    for name, expected in zip(names, expected_grads, strict=True):
+        torch.testing.assert_close(grads[name], expected, rtol=1e-5, atol=1e-7)
+
+
+def test_a_micro_batch_count_that_does_not_divide_the_batch_fails_clearly():
+    with pytest.raises(LaunchError, match="5 micro-batches do not divide the batch of 24"):
+        launch(pipelined, 5, [7], nprocs=2, timeout=10, join_timeout=60)
+
+
+def test_measure_gpipe_reports_speedups_bubbles_and_a_balanced_cut():
+    result = pp.measure_gpipe((2, 4), batch_size=8, channels=8, depth=3, image_size=8,
+                              steps=1)
+    assert sorted(key for key in result if key != "settings") == [1, 2, 4]  # M = 1 added
+    assert result["settings"]["cuts"] == [4]  # conv1 (3->8) is light: 2 convs | 1 conv + head
+    assert result[1]["speedup"] == 1.0
+    for m in (1, 2, 4):
+        assert result[m]["seconds"] > 0 and 0 <= result[m]["bubble"] < 1
+        assert result[m]["ideal_speedup"] == pytest.approx(pp.ideal_speedup(2, m))
+        assert len(result[m]["events"]) == 2 * 2 * m  # 2 stages x forward/backward x M
+
+
+# --------------------------------------------------------------- timeline
+
+
+def test_bubble_fraction_and_theory():
+    events = [pp.Event(0, "forward", 0, 0.0, 1.0), pp.Event(1, "forward", 0, 1.0, 2.0)]
+    assert pp.bubble_fraction(events) == pytest.approx(0.5)   # each stage idle half the time
+    assert pp.theoretical_bubble(2, 1) == pytest.approx(0.5)
+    assert pp.theoretical_bubble(4, 13) == pytest.approx(3 / 16)
+    assert pp.ideal_speedup(2, 8) == pytest.approx(16 / 9)
+    with pytest.raises(ValueError, match="no events recorded"):
+        pp.bubble_fraction([])
+
+
+def test_timeline_records_and_plots():
+    timeline = pp.Timeline(stage=1)
+    with timeline.record("forward", 3):
+        sum(range(1000))
+    (event,) = timeline.events
+    assert (event.stage, event.kind, event.micro_batch) == (1, "forward", 3)
+    assert event.end >= event.start
+    ax = pp.plot_timeline(timeline.events + [pp.Event(0, "backward", 3, event.end,
+                                                      event.end + 0.001)])
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["stage 0", "stage 1"]
+
+
+# ------------------------------------------------------ torch.distributed.pipelining
+
+
+def library_pipeline(schedule_name, micro_batches):
+    from torch.distributed import pipelining
+
+    model = mlp()
+    stage_module = pp.split_sequential(model, [7])[rank()]
+    stage = pipelining.PipelineStage(stage_module, rank(), world_size(), torch.device("cpu"))
+    schedule_type = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}
+    schedule = schedule_type[schedule_name](stage, n_microbatches=micro_batches,
+                                            loss_fn=F.cross_entropy)
+    x, y = batch()
+    losses = []
+    if rank() == 0:
+        schedule.step(x)
+    else:
+        schedule.step(target=y, losses=losses)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()
+             if p.grad is not None}
+    return [loss.item() for loss in losses], grads
+
+
+@pytest.mark.parametrize("schedule_name", ["gpipe", "1f1b"])
+def test_torch_pipelining_schedules_match_the_unsplit_model(schedule_name):
+    expected_loss, expected_grads = unsplit_reference()
+    names = [name for name, _ in mlp().named_parameters()]
+    ranks = launch(library_pipeline, schedule_name, 4, nprocs=2, return_all=True,
+                   timeout=30, join_timeout=120)
+    losses = ranks[1][0]
+    assert len(losses) == 4
+    assert sum(losses) / 4 == pytest.approx(expected_loss, rel=1e-6)
+    grads = {**ranks[0][1], **ranks[1][1]}
+    for name, expected in zip(names, expected_grads, strict=True):
+        torch.testing.assert_close(grads[name], expected, rtol=1e-5, atol=1e-7)
