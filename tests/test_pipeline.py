@@ -211,3 +211,18 @@ def test_torch_pipelining_schedules_match_the_unsplit_model(schedule_name):
     grads = {**ranks[0][1], **ranks[1][1]}
     for name, expected in zip(names, expected_grads, strict=True):
         torch.testing.assert_close(grads[name], expected, rtol=1e-5, atol=1e-7)
+
+
+def test_activation_meter_counts_saved_activations_until_backward_frees_them():
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    with pp.ActivationMeter(exclude=model.parameters()) as meter:
+        first = model(torch.randn(10, 8)).sum()
+        after_one = meter.current
+        second = model(torch.randn(10, 8)).sum()
+        assert meter.current == 2 * after_one > 0   # two micro-batches held at once
+        first.backward()
+        second.backward()
+    assert meter.current == 0 and meter.peak == 2 * after_one
+    # Linear 1 saves its input (10x8 floats), ReLU its output (10x32), which Linear 2
+    # saves too (counted once); the weights are not counted
+    assert after_one == 4 * (10 * 8 + 10 * 32)
