@@ -112,13 +112,22 @@ class TwoHeads(nn.Module):
         return self.head(torch.relu(self.body(x)))
 
 
-def lab_unused_parameter(fixed: bool = False, steps: int = 20) -> float:
+def lab_unused_parameter(fix: str | None = None, steps: int = 20) -> float:
     """DDP waits for a gradient from every parameter before it finishes a step. One that
     never gets one leaves the reduction unfinished, and the next step raises.
-    ``find_unused_parameters=True`` searches the graph after every forward pass and
-    marks such parameters ready: correct, at a cost. Returns seconds per step."""
+
+    ``fix="find_unused"`` passes ``find_unused_parameters=True``: DDP then searches the
+    autograd graph after every forward pass and marks unused parameters ready (correct,
+    at a cost). ``fix="remove"`` deletes the unused head before wrapping (the real fix
+    when the head is not needed). Returns seconds per training step.
+    """
+    if fix not in (None, "find_unused", "remove"):
+        raise ValueError(f"fix must be None, 'find_unused' or 'remove', got {fix!r}")
     torch.manual_seed(0)
-    model = DDP(TwoHeads(), find_unused_parameters=fixed)
+    module = TwoHeads()
+    if fix == "remove":
+        del module.unused_head
+    model = DDP(module, find_unused_parameters=fix == "find_unused")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(256, 32)
     start = time.perf_counter()

@@ -57,7 +57,10 @@ def test_debug_level_is_restored():
 def test_unused_parameter_fails_under_ddp_until_found():
     with pytest.raises(LaunchError, match="find_unused_parameters=True"):
         launch(labs.lab_unused_parameter, **BOUND)
-    assert launch(labs.lab_unused_parameter, True, 3, **BOUND) > 0
+    assert launch(labs.lab_unused_parameter, "find_unused", 3, **BOUND) > 0
+    assert launch(labs.lab_unused_parameter, "remove", 3, **BOUND) > 0
+    with pytest.raises(LaunchError, match="fix must be None, 'find_unused' or 'remove'"):
+        launch(labs.lab_unused_parameter, "ignore", **BOUND)
 
 
 def test_rank_dependent_initialisation_is_detected_and_fixed():
