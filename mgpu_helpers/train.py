@@ -69,7 +69,8 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
                     device: torch.device | str | None = None, epoch: int = 0,
                     progress: bool = True, accumulate: int = 1,
                     amp_dtype: torch.dtype | None = None,
-                    scaler: torch.amp.GradScaler | None = None) -> Metrics:
+                    scaler: torch.amp.GradScaler | None = None,
+                    channels_last: bool = False) -> Metrics:
     """One pass over ``loader``: forward, cross-entropy, backward, step.
 
     Args:
@@ -90,6 +91,8 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
             a ``scaler``); None trains in float32.
         scaler: a ``torch.amp.GradScaler`` for float16 training (scales the loss so small
             gradients do not underflow, skips steps whose gradients overflowed).
+        channels_last: move image batches to the ``channels_last`` memory layout (the
+            model should be converted too: ``model.to(memory_format=torch.channels_last)``).
 
     Returns:
         The epoch's mean loss and accuracy over all ranks' samples.
@@ -110,7 +113,9 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
                    disable=not (progress and is_main()))
     optimizer.zero_grad(set_to_none=True)
     for step, (images, labels) in enumerate(bar):
-        images = images.to(device, non_blocking=True)
+        images = images.to(device, non_blocking=True,
+                           memory_format=torch.channels_last if channels_last
+                           else torch.preserve_format)
         labels = labels.to(device, non_blocking=True)
         group_start = step - step % accumulate
         group_size = 1 if batches is None else min(accumulate, batches - group_start)
