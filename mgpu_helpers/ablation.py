@@ -1,49 +1,22 @@
 """Chapter 07's ablation: training throughput with each optimisation switched off in turn.
 
 The tuned configuration switches every optimisation on; each variant switches exactly
-one off. Every run is chapter 04's DDP pipeline (DistributedSampler, augmenting
-DataLoader, DDP, ``train_one_epoch`` with global metrics) on 2 ranks, timed over one
-epoch of ``per_rank_samples`` per rank after a short warm-up.
+one off. Every run is :func:`mgpu_helpers.throughput.timed_epoch` (chapter 04's DDP
+pipeline) on 2 ranks.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, Subset
-
-from .data import ImageDataset, loader_generator, prepare_digits, seed_worker
-from .dist import device as rank_device
-from .dist import rank, world_size
 from .launch import launch
-from .models import SeedCNN
-from .recipe import AMP_DTYPES, AUGMENT, spread_subset
-from .train import train_one_epoch
+from .throughput import TrainingOptions, timed_epoch
 
-
-@dataclass(frozen=True)
-class Options:
-    """The optimisations, all on by default (the tuned configuration)."""
-
-    workers: int = 1                     # DataLoader worker processes per rank
-    pin_memory: bool = True              # page-locked batches: faster, async copies to GPU
-    amp: str | None = "bfloat16"         # autocast dtype, None for float32
-    channels_last: bool = True           # NHWC memory layout for convolutions
-    bucket_cap_mb: int = 100             # DDP bucket size: one bucket for all gradients
-    gradient_as_bucket_view: bool = True  # gradients live in the buckets: no copy
-    static_graph: bool = True            # DDP may cache its bookkeeping after step 1
-    accumulate: int = 4                  # batches per all-reduce and optimizer step
-
-    def __post_init__(self):
-        if self.workers < 0 or self.bucket_cap_mb < 1 or self.accumulate < 1:
-            raise ValueError("workers must be >= 0, bucket_cap_mb and accumulate >= 1")
-        if self.amp is not None and self.amp not in AMP_DTYPES:
-            raise ValueError(f"amp must be None or one of {sorted(AMP_DTYPES)}")
+# The tuned configuration: every optimisation on.
+TUNED = TrainingOptions(workers=1, pin_memory=True, amp="bfloat16", channels_last=True,
+                        bucket_cap_mb=100, gradient_as_bucket_view=True, static_graph=True,
+                        accumulate=4)
 
 
 # What "off" means for each optimisation, and why it may only pay on GPUs.
@@ -65,50 +38,11 @@ SWITCHED_OFF = {
 }
 
 
-def variants() -> dict[str, Options]:
+def variants() -> dict[str, TrainingOptions]:
     """The tuned configuration, then one variant per optimisation switched off."""
-    tuned = Options()
-    return {"all on (tuned)": tuned} | {
-        f"without {name}": replace(tuned, **change) for name, (change, _) in
+    return {"all on (tuned)": TUNED} | {
+        f"without {name}": replace(TUNED, **change) for name, (change, _) in
         SWITCHED_OFF.items()}
-
-
-def _throughput(options: Options, per_rank_samples: int, batch_size: int,
-                warmup_batches: int) -> float:
-    """Inside a rank: samples/s (all ranks) over one epoch with these options."""
-    device = rank_device()
-    dataset = ImageDataset(prepare_digits(progress=False) / "train", transform=AUGMENT)
-    dataset = spread_subset(dataset, per_rank_samples * world_size())
-    sampler = DistributedSampler(dataset, shuffle=True, seed=0)
-    torch.manual_seed(0)
-    model = SeedCNN().to(device)
-    if options.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                bucket_cap_mb=options.bucket_cap_mb,
-                gradient_as_bucket_view=options.gradient_as_bucket_view,
-                static_graph=options.static_graph)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    loader_args = {"batch_size": batch_size, "num_workers": options.workers,
-                   "pin_memory": options.pin_memory and device.type == "cuda",
-                   "worker_init_fn": seed_worker,
-                   "persistent_workers": options.workers > 0}
-    epoch_args = {"progress": False, "accumulate": options.accumulate,
-                  "amp_dtype": AMP_DTYPES.get(options.amp),
-                  "channels_last": options.channels_last}
-    warmup = Subset(dataset, range(rank() * warmup_batches * batch_size,
-                                   (rank() + 1) * warmup_batches * batch_size))
-    # static_graph records the graph in the first iteration, which must synchronise:
-    # warm up without accumulation (no_sync in a first iteration trips DDP's reducer)
-    train_one_epoch(model, DataLoader(warmup, **loader_args), optimizer,
-                    **(epoch_args | {"accumulate": 1}))
-    loader = DataLoader(dataset, sampler=sampler, generator=loader_generator(0, rank()),
-                        **loader_args)
-    iter(loader)  # start the workers before the clock
-    dist.barrier()
-    started = time.perf_counter()
-    metrics = train_one_epoch(model, loader, optimizer, **epoch_args)
-    return metrics.samples / (time.perf_counter() - started)
 
 
 def measure(per_rank_samples: int = 256, batch_size: int = 32, repeats: int = 1,
@@ -124,7 +58,7 @@ def measure(per_rank_samples: int = 256, batch_size: int = 32, repeats: int = 1,
     runs = {name: [] for name in variants()}
     for round_index in range(repeats):
         for name, options in variants().items():
-            runs[name].append(launch(_throughput, options, per_rank_samples, batch_size,
+            runs[name].append(launch(timed_epoch, options, per_rank_samples, batch_size,
                                      warmup_batches, nprocs=nprocs, backend=backend))
             if progress is not None:
                 progress(round_index, name, runs[name][-1])

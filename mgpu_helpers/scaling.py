@@ -5,42 +5,17 @@ per rank) and adds ranks. Perfect scaling multiplies throughput by the number of
 the efficiency ``throughput(N ranks) / (N x throughput(1 rank))`` says how much of that
 survives gradient all-reduces, stragglers and shared hardware.
 
-Every configuration runs the chapter's full pipeline: ``DistributedSampler``,
-``DataLoader`` with augmentation, ``DistributedDataParallel`` (also for one rank, so the
-comparison is like for like), ``train_one_epoch`` with its global metrics.
+Every configuration runs the chapter's full pipeline,
+:func:`mgpu_helpers.throughput.timed_epoch` with plain DDP options.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, Subset
-
-from .data import ImageDataset, loader_generator, prepare_digits
-from .dist import device as rank_device
-from .dist import rank, world_size
 from .launch import launch
-from .models import SeedCNN
-from .recipe import AUGMENT, spread_subset
-from .train import train_one_epoch
-
-
-def _keep_local_gradients(state, bucket):
-    """A DDP communication hook that communicates nothing: each rank keeps its own
-    gradients. Not training anyone should do; it measures what the hardware allows
-    two ranks without any gradient exchange (the ceiling for the efficiency)."""
-    done = torch.futures.Future()
-    done.set_result(bucket.buffer())
-    return done
-
-
-COMM_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "none": _keep_local_gradients}
+from .throughput import COMM_HOOKS, TrainingOptions, timed_epoch
 
 
 @dataclass(frozen=True)
@@ -80,36 +55,6 @@ DEFAULT_SETUPS = (Setup(1, 1), Setup(1, 2), Setup(2, 1), Setup(2, 1, "none"),
                   Setup(2, 1, "fp16", accumulate=4))
 
 
-def _timed_epoch(per_rank_samples: int, batch_size: int, warmup_batches: int,
-                 comm_hook: str | None, accumulate: int) -> float:
-    """Inside a rank: train one epoch of ``per_rank_samples`` per rank; global samples/s."""
-    digits = prepare_digits(progress=False)
-    dataset = ImageDataset(digits / "train", transform=AUGMENT)
-    total = per_rank_samples * world_size()
-    if total > len(dataset):
-        raise ValueError(f"{per_rank_samples} samples per rank x {world_size()} ranks is more "
-                         f"than the {len(dataset)} training images")
-    dataset = spread_subset(dataset, total)
-    sampler = DistributedSampler(dataset, shuffle=True, seed=0)
-    torch.manual_seed(0)
-    device = rank_device()
-    model = DDP(SeedCNN().to(device), device_ids=[device.index] if device.type == "cuda" else None)
-    if comm_hook is not None:
-        model.register_comm_hook(None, COMM_HOOKS[comm_hook])
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
-                        generator=loader_generator(0, rank()))
-    warmup = Subset(dataset, range(rank() * warmup_batches * batch_size,
-                                   (rank() + 1) * warmup_batches * batch_size))
-    train_one_epoch(model, DataLoader(warmup, batch_size=batch_size), optimizer,
-                    progress=False)
-    dist.barrier()
-    started = time.perf_counter()
-    metrics = train_one_epoch(model, loader, optimizer, progress=False,
-                              accumulate=accumulate)  # ends in an all_reduce: all done
-    return metrics.samples / (time.perf_counter() - started)
-
-
 def measure(setups=DEFAULT_SETUPS, per_rank_samples: int = 512, batch_size: int = 32,
             repeats: int = 3, warmup_batches: int = 2, backend: str = "gloo",
             progress=None) -> dict:
@@ -132,9 +77,9 @@ def measure(setups=DEFAULT_SETUPS, per_rank_samples: int = 512, batch_size: int 
     runs = {setup: [] for setup in setups}
     for round_index in range(repeats):
         for setup in setups:
-            runs[setup].append(launch(_timed_epoch, per_rank_samples, batch_size,
-                                      warmup_batches, setup.comm_hook, setup.accumulate,
-                                      nprocs=setup.ranks, backend=backend,
+            options = TrainingOptions(accumulate=setup.accumulate, comm_hook=setup.comm_hook)
+            runs[setup].append(launch(timed_epoch, options, per_rank_samples, batch_size,
+                                      warmup_batches, nprocs=setup.ranks, backend=backend,
                                       cpu_threads=setup.threads))
             if progress is not None:
                 progress(round_index, setup, runs[setup][-1])
