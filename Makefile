@@ -8,13 +8,13 @@ STAMP := $(VENV)/.installed
 PINS := requirements/constraints.txt
 WITH_NB_ENV := tests/with_notebook_env.sh
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
-FIRST_CHAPTER := $(notdir $(firstword $(NOTEBOOKS)))
+LANDING := notebooks/start_here.ipynb
 NBVAL_FLAGS := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 LAB_PORT ?= 8888
 # Jupyter refuses to start as root (containers often run as root) unless told to.
 LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab test lint unit nbval notebooks bench pins clean
+.PHONY: venv lab test lint unit nbval browser notebooks nav bench figures screenshots pins clean
 
 venv: $(STAMP)
 
@@ -28,31 +28,50 @@ $(STAMP): pyproject.toml $(PINS)
 	$(BIN)/python -c "import matplotlib.pyplot"
 	@touch $@
 
+# Opens the landing page: the chapter map, links, and this machine's environment report
+# (written afresh at each start; git-ignored).
 lab: $(STAMP)
+	$(BIN)/python -m mgpu_helpers.chapters landing notebooks
 	$(WITH_NB_ENV) $(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
-	  --ServerApp.root_dir=notebooks --LabApp.default_url=/lab/tree/$(FIRST_CHAPTER) \
+	  --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/$(LANDING) \
 	  $(LAB_ROOT_FLAG)
 
-test: lint unit nbval
+test: lint unit nbval browser
 
 lint: $(STAMP)
 	$(BIN)/ruff check mgpu_helpers tests notebooks benchmarks scripts
 
 unit: $(STAMP)
-	$(BIN)/pytest tests
+	$(BIN)/pytest tests --ignore=tests/browser
+
+# JupyterLab in a real Chromium (Playwright); skipped, saying so, when Chromium is absent.
+# Screenshots go to runs/browser/ (BROWSER_ARTIFACTS=dir to change).
+browser: $(STAMP)
+	$(BIN)/pytest tests/browser
 
 nbval: $(STAMP)
 	$(WITH_NB_ENV) $(BIN)/pytest $(NBVAL_FLAGS) $(NOTEBOOKS)
 
-# Re-execute every chapter in a fresh kernel, under the settings nbval uses, storing outputs.
+# Re-execute every chapter in a fresh kernel, under the settings nbval uses, storing outputs
+# and each chapter's run time (shown on the landing page).
 notebooks: $(STAMP)
-	$(WITH_NB_ENV) $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
-	  --ExecutePreprocessor.timeout=600 --ExecutePreprocessor.kernel_name=python3 \
-	  --ExecutePreprocessor.record_timing=False $(NOTEBOOKS)
+	$(WITH_NB_ENV) $(BIN)/python -m mgpu_helpers.chapters execute $(NOTEBOOKS)
+
+# Rewrite each chapter's navigation line (previous, next, helper modules used).
+nav: $(STAMP)
+	$(BIN)/python -m mgpu_helpers.chapters nav notebooks
 
 bench: $(STAMP)
 	@for script in benchmarks/*.py; do echo "== $$script"; \
 	  $(WITH_NB_ENV) $(BIN)/python $$script || exit 1; done
+
+# The README's pictures: plots drawn by the workbook's code, and JupyterLab screenshots
+# taken by the browser test (which needs Chromium).
+figures: $(STAMP)
+	$(WITH_NB_ENV) $(BIN)/python scripts/readme_figures.py docs/images
+
+screenshots: $(STAMP)
+	MGPU_REQUIRE_BROWSER=1 BROWSER_ARTIFACTS=docs/images $(BIN)/pytest tests/browser
 
 # Rewrite the pins from what is installed in .venv (after changing a range in pyproject.toml).
 pins:

@@ -1,8 +1,9 @@
 """`make lab` serves JupyterLab on loopback with a token, and chapter 00 runs there.
 
-Starts the real `make lab`, reads the URL it prints, checks that the server refuses
-requests without the token, executes every code cell of chapter 00 in a kernel started
-through the server (as the browser would), and shuts everything down.
+Starts the real `make lab`, reads the URL it prints, checks that it opens the landing
+page it wrote (chapter map and this machine's report), that the server refuses requests
+without the token, executes every code cell of chapter 00 in a kernel started through
+the server (as the browser would), and shuts everything down.
 """
 
 import asyncio
@@ -22,7 +23,8 @@ import pytest
 from tornado.websocket import websocket_connect
 
 ROOT = Path(__file__).resolve().parent.parent
-CHAPTER = "00_environment.ipynb"
+CHAPTER = "notebooks/00_environment.ipynb"
+LANDING = "notebooks/start_here.ipynb"
 URL_PATTERN = re.compile(r"(http://127\.0\.0\.1:(\d+))/lab/tree/(\S+)\?token=(\w+)")
 
 
@@ -93,20 +95,24 @@ def test_make_lab_serves_chapter_00_on_loopback_with_token(tmp_path):
     try:
         match = wait_for_url(server, log)
         base, port, opened, token = match.groups()
-        assert opened == CHAPTER, "make lab should open the first chapter"
+        assert opened == LANDING, "make lab should open the landing page"
+        status, landing = http(f"{base}/api/contents/{LANDING}?content=1", token)
+        text = json.dumps(landing["content"])
+        assert "00_environment.ipynb" in text and "08_debugging_distributed.ipynb" in text
+        assert "Workbook plan" in text, "the landing page shows this machine's report"
 
         with pytest.raises(urllib.error.HTTPError) as refused:
             http(f"{base}/api/sessions")
         assert refused.value.code == 403, "the server must require its token"
 
         status, session = http(f"{base}/api/sessions", token, "POST", {
-            "path": CHAPTER, "type": "notebook", "name": CHAPTER,
+            "path": CHAPTER, "type": "notebook", "name": Path(CHAPTER).name,
             "kernel": {"name": "python3"}})
         assert status == 201
         ws_url = (f"ws://127.0.0.1:{port}/api/kernels/{session['kernel']['id']}/channels"
                   f"?token={token}")
 
-        notebook = nbformat.read(ROOT / "notebooks" / CHAPTER, as_version=4)
+        notebook = nbformat.read(ROOT / CHAPTER, as_version=4)
         code_cells = [c for c in notebook.cells if c.cell_type == "code"]
         results = asyncio.run(run_cells(ws_url, [c.source for c in code_cells]
                                         + ["import os; print(os.getpid())"]))

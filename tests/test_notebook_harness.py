@@ -52,3 +52,31 @@ def test_nbval_compares_outputs_under_notebook_settings(tmp_path, sum_output, pa
     else:
         assert done.returncode != 0
         assert "1 failed, 2 passed" in done.stdout
+
+
+def test_a_widget_progress_bar_in_the_kernel_survives_nbval(tmp_path):
+    """tqdm.auto draws a widget bar in a kernel; its stored text form repeats exactly.
+
+    The bar runs long enough for its rate to differ between runs: only the text at
+    creation (0%) is stored beside the widget reference, so nbval compares the cell.
+    """
+    notebook = new_notebook(metadata={"kernelspec": {"name": "python3", "language": "python",
+                                                     "display_name": "Python 3"}})
+    notebook.cells.append(new_code_cell(
+        "import time\nfrom tqdm.auto import tqdm\n"
+        "for _ in tqdm(range(20), desc='work', unit='step'):\n    time.sleep(0.02)\n"
+        "print('done')"))
+    path = tmp_path / "bar.ipynb"
+    nbformat.write(notebook, path)
+    executed = subprocess.run(["make", "--no-print-directory", "notebooks",
+                               f"NOTEBOOKS={path}"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+    assert executed.returncode == 0, executed.stdout + executed.stderr
+    outputs = nbformat.read(path, as_version=4).cells[0].outputs
+    bar = outputs[0]["data"]
+    assert "application/vnd.jupyter.widget-view+json" in bar  # a widget, not a text bar
+    assert bar["text/plain"].startswith("work:   0%")
+    assert outputs[-1]["text"] == "done\n"
+    done = run_nbval(path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 passed" in done.stdout

@@ -1,0 +1,339 @@
+"""The workbook's chapters as data: titles, summaries, measured run times, navigation.
+
+Each chapter notebook keeps what describes it in its own metadata, under ``"workbook"``:
+``summary`` (one line: what you learn) and ``run_time_s`` (seconds, measured by
+``execute`` when the chapter last ran in a fresh kernel, kernel start included).
+From these, ``write_landing`` builds the landing notebook that ``make lab`` opens:
+the chapter map with links and this machine's environment report.
+
+Command line (what the Makefile runs)::
+
+    python -m mgpu_helpers.chapters execute notebooks/04_*.ipynb   # run in place, timed
+    python -m mgpu_helpers.chapters nav                             # navigation lines
+    python -m mgpu_helpers.chapters landing                         # notebooks/start_here.ipynb
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import json
+import os
+import platform
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CHAPTER_PATTERN = re.compile(r"^(\d\d)_\w+\.ipynb$")
+TITLE_PATTERN = re.compile(r"^#\s+(\d\d)\s+·\s+(.+)$", re.MULTILINE)
+METADATA_KEY = "workbook"
+LANDING_NAME = "start_here.ipynb"
+# Cell metadata marking the landing page's environment report, so tests can find it.
+REPORT_TAG = "environment-report"
+# The navigation line under each chapter's heading starts with this (see `navigation`).
+NAV_PREFIX = "**Navigate** · "
+
+
+@dataclass(frozen=True)
+class Chapter:
+    number: str           # "04"
+    path: Path
+    title: str            # "DistributedDataParallel: ..."
+    summary: str          # one line: what you learn
+    run_time_s: float | None  # measured by `execute`; None if never timed
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def chapter_paths(notebooks_dir: Path) -> list[Path]:
+    """The chapter notebooks (``NN_name.ipynb``) in reading order."""
+    return sorted(p for p in Path(notebooks_dir).iterdir() if CHAPTER_PATTERN.match(p.name))
+
+
+def read_chapter(path: Path) -> Chapter:
+    """A chapter's title (from its first heading), summary and run time (metadata)."""
+    path = Path(path)
+    notebook = json.loads(path.read_text())
+    cells = notebook.get("cells", [])
+    first = "".join(cells[0]["source"]) if cells else ""
+    heading = TITLE_PATTERN.search(first)
+    if heading is None:
+        raise ValueError(f"{path}: the first cell must start with a heading "
+                         f"'# {path.name[:2]} · Title'")
+    if heading.group(1) != path.name[:2]:
+        raise ValueError(f"{path}: the heading says chapter {heading.group(1)}, "
+                         f"the file name says {path.name[:2]}; rename one of them")
+    info = notebook.get("metadata", {}).get(METADATA_KEY, {})
+    summary = info.get("summary")
+    if not summary:
+        raise ValueError(f'{path}: no one-line summary; set metadata["{METADATA_KEY}"]'
+                         '["summary"] (shown on the landing page)')
+    return Chapter(number=heading.group(1), path=path, title=heading.group(2).strip(),
+                   summary=summary, run_time_s=info.get("run_time_s"))
+
+
+def read_chapters(notebooks_dir: Path) -> list[Chapter]:
+    return [read_chapter(path) for path in chapter_paths(notebooks_dir)]
+
+
+def _code_of(notebook: dict) -> list[str]:
+    """Each code cell's source, with IPython magics and shell lines blanked out."""
+    sources = []
+    for cell in notebook.get("cells", []):
+        if cell["cell_type"] == "code":
+            lines = "".join(cell["source"]).splitlines()
+            sources.append("\n".join("" if line.lstrip().startswith(("%", "!")) else line
+                                      for line in lines))
+    return sources
+
+
+def _module_file(module: str) -> str:
+    """``mgpu_helpers.data.loading`` -> ``data/loading.py``; a package -> its ``__init__``."""
+    target = importlib.import_module(module)
+    relative = Path(target.__file__).relative_to(Path(__file__).resolve().parent)
+    return relative.as_posix()
+
+
+def helper_modules(path: Path) -> list[str]:
+    """The ``mgpu_helpers`` source files a chapter's code uses, relative to the package.
+
+    Counts ``import mgpu_helpers.x``, ``from mgpu_helpers.x import ...``,
+    ``from mgpu_helpers import x`` and ``mh.name`` (for ``import mgpu_helpers as mh``),
+    each mapped to the file that defines it (``mh.launch`` -> ``launch.py``).
+    """
+    used: set[str] = set()
+
+    def add_name(module: str, name: str) -> None:
+        """``name`` imported from, or looked up on, ``module``: where is it defined?"""
+        try:
+            used.add(_module_file(f"{module}.{name}"))  # a submodule
+            return
+        except ImportError:
+            pass
+        value = getattr(importlib.import_module(module), name, None)
+        defined_in = getattr(value, "__module__", None) or module
+        used.add(_module_file(defined_in if defined_in.startswith("mgpu_helpers")
+                              else module))
+
+    aliases: set[str] = set()  # names bound to the package, e.g. `mh`, in any cell
+    for source in _code_of(json.loads(Path(path).read_text())):
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name == "mgpu_helpers":
+                        aliases.add(alias.asname or alias.name)
+                    elif alias.name.startswith("mgpu_helpers."):
+                        used.add(_module_file(alias.name))
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                if node.module.split(".")[0] == "mgpu_helpers":
+                    for alias in node.names:
+                        add_name(node.module, alias.name)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases):
+                add_name("mgpu_helpers", node.attr)
+    return sorted(used)
+
+
+def short_title(chapter: Chapter) -> str:
+    """``04 · DistributedDataParallel`` (the title up to its first colon)."""
+    return f"{chapter.number} · {chapter.title.split(':')[0].strip()}"
+
+
+def navigation(chapters: list[Chapter], index: int) -> str:
+    """The navigation line a chapter carries under its heading.
+
+    Previous and next chapter (where there is one), and a link to every helper module
+    its code uses, so a reader can always see what ``mgpu_helpers`` does for them.
+    """
+    parts = []
+    if index > 0:
+        previous = chapters[index - 1]
+        parts.append(f"Previous: [{short_title(previous)}]({previous.name})")
+    if index + 1 < len(chapters):
+        following = chapters[index + 1]
+        parts.append(f"Next: [{short_title(following)}]({following.name})")
+    modules = helper_modules(chapters[index].path)
+    if modules:
+        links = ", ".join(f"[`{m}`](../mgpu_helpers/{m})" for m in modules)
+        parts.append(f"Helpers used: {links}")
+    return NAV_PREFIX + " · ".join(parts)
+
+
+def _set_navigation(first_cell: str, line: str) -> str:
+    """Replace the navigation line in a chapter's first cell, or put one under the heading."""
+    lines = first_cell.split("\n")
+    for position, text in enumerate(lines):
+        if text.startswith(NAV_PREFIX):
+            lines[position] = line
+            return "\n".join(lines)
+    return "\n".join([lines[0], "", line, *lines[1:]])
+
+
+def update_navigation(notebooks_dir: Path) -> list[Path]:
+    """Rewrite every chapter's navigation line; returns the notebooks that changed."""
+    chapters = read_chapters(notebooks_dir)
+    changed = []
+    for index, chapter in enumerate(chapters):
+        notebook = json.loads(chapter.path.read_text())
+        cell = notebook["cells"][0]
+        source = "".join(cell["source"])
+        updated = _set_navigation(source, navigation(chapters, index))
+        if updated != source:
+            cell["source"] = updated
+            _write_notebook(chapter.path, notebook)
+            changed.append(chapter.path)
+    return changed
+
+
+def format_run_time(seconds: float | None) -> str:
+    if seconds is None:
+        return "not measured yet (run `make notebooks`)"
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
+def chapter_map(chapters: list[Chapter]) -> str:
+    """The chapter map as a markdown table with relative links."""
+    rows = ["| # | chapter | what you learn | run time |", "|---|---|---|---|"]
+    for chapter in chapters:
+        rows.append(f"| {chapter.number} | [{chapter.title}]({chapter.name}) | "
+                    f"{chapter.summary} | {format_run_time(chapter.run_time_s)} |")
+    return "\n".join(rows)
+
+
+def landing_notebook(chapters: list[Chapter], report_text: str, measured_on: str) -> dict:
+    """The landing page: how to read the workbook, the chapter map, the environment report.
+
+    The report is stored as the output of a code cell that recomputes it, so the page
+    shows this machine's report without running anything, and re-running refreshes it.
+    """
+    def markdown(cell_id: str, text: str) -> dict:
+        return {"cell_type": "markdown", "id": cell_id, "metadata": {}, "source": text}
+
+    intro = (
+        "# Multi-GPU PyTorch, from a laptop\n\n"
+        "Start with chapter 00 and read in order: each chapter builds on the previous one. "
+        "Run a cell with **Shift+Enter**, or a whole chapter with **Run › Run All Cells**. "
+        "Every chapter runs on this machine, GPU or not: with no GPU, ranks are CPU "
+        "processes over `gloo`; on a GPU node, one process per GPU over NCCL, with no "
+        "change to the notebooks.\n\n"
+        "This page is written by `make lab` each time it starts (it is not part of the "
+        "repository); the chapters' run times are measured by `make notebooks` "
+        f"on {measured_on}."
+    )
+    report_cell = {
+        "cell_type": "code", "id": "report", "execution_count": 1,
+        "metadata": {"tags": [REPORT_TAG]},
+        "source": "import mgpu_helpers as mh\n\nprint(mh.describe())",
+        "outputs": [{"output_type": "stream", "name": "stdout", "text": report_text + "\n"}],
+    }
+    return {
+        "nbformat": 4, "nbformat_minor": 5,
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                    "language": "python"},
+                     "language_info": {"name": "python"}},
+        "cells": [
+            markdown("intro", intro),
+            markdown("chapters", "## Chapters\n\n" + chapter_map(chapters)),
+            markdown("machine", "## This machine\n\nThe environment report, as `make lab` found it "
+                     "(the same as `python -m mgpu_helpers`). Re-run the cell after "
+                     "changing `CUDA_VISIBLE_DEVICES` or the drivers."),
+            report_cell,
+            markdown("more", "More: the README's sections on GPU nodes, clusters, conda, "
+                     "running nbval on your own notebooks, and troubleshooting "
+                     "([README.md](../README.md))."),
+        ],
+    }
+
+
+def write_landing(notebooks_dir: Path, out_path: Path, report_text: str | None = None) -> Path:
+    """Write the landing notebook; the report defaults to this machine's ``describe()``."""
+    if report_text is None:
+        from .env import describe
+        report_text = str(describe())
+    chapters = read_chapters(notebooks_dir)
+    measured_on = "a 2-core CPU with no GPU (the project's CI machine)"
+    notebook = landing_notebook(chapters, report_text, measured_on)
+    out_path = Path(out_path)
+    temporary = out_path.with_name(f".{out_path.name}.tmp")
+    temporary.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")
+    os.replace(temporary, out_path)
+    return out_path
+
+
+def _stamp_run_time(metadata: dict, seconds: float) -> None:
+    info = metadata.setdefault(METADATA_KEY, {})
+    info["run_time_s"] = round(seconds, 1)
+    info["run_time_machine"] = f"{os.cpu_count()} CPUs, {platform.machine()}"
+
+
+def _write_notebook(path: Path, notebook: dict) -> None:
+    import nbformat
+    temporary = path.with_name(f".{path.name}.tmp")
+    nbformat.write(nbformat.from_dict(notebook), str(temporary))
+    os.replace(temporary, path)
+
+
+def execute(paths: list[Path], timeout: int = 600) -> dict[str, float]:
+    """Run each notebook in a fresh kernel, store its outputs and its run time, in place.
+
+    Like ``jupyter nbconvert --to notebook --execute --inplace``: a notebook whose cell
+    fails is left as it was (nothing stored), and the error names the cell.
+    """
+    import nbformat
+    from nbconvert.preprocessors import ExecutePreprocessor
+
+    times = {}
+    for path in map(Path, paths):
+        notebook = nbformat.read(str(path), as_version=4)
+        runner = ExecutePreprocessor(timeout=timeout, kernel_name="python3",
+                                     record_timing=False)
+        print(f"[chapters] executing {path}", flush=True)
+        start = time.perf_counter()
+        runner.preprocess(notebook, {"metadata": {"path": str(path.parent)}})
+        seconds = time.perf_counter() - start
+        _stamp_run_time(notebook.metadata, seconds)
+        _write_notebook(path, dict(notebook))
+        print(f"[chapters] {path.name}: {seconds:.1f} s", flush=True)
+        times[path.name] = seconds
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mgpu_helpers.chapters",
+                                     description="Run chapters timed, or write the landing page.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("execute", help="run notebooks in place, storing run times")
+    run.add_argument("notebooks", nargs="+", type=Path)
+    nav = commands.add_parser("nav", help="rewrite every chapter's navigation line")
+    nav.add_argument("notebooks_dir", type=Path, nargs="?", default=Path("notebooks"))
+    landing = commands.add_parser("landing", help="write the landing notebook")
+    landing.add_argument("notebooks_dir", type=Path, nargs="?", default=Path("notebooks"),
+                         help=f"the chapters' folder; the page is written there as "
+                              f"{LANDING_NAME}")
+    args = parser.parse_args(argv)
+    if args.command == "execute":
+        missing = [str(p) for p in args.notebooks if not p.is_file()]
+        if missing:
+            parser.error(f"no such notebook: {', '.join(missing)}")
+        execute(args.notebooks)
+    elif args.command == "nav":
+        for path in update_navigation(args.notebooks_dir):
+            print(f"[chapters] updated the navigation of {path}", file=sys.stderr)
+    else:
+        written = write_landing(args.notebooks_dir, args.notebooks_dir / LANDING_NAME)
+        print(f"[chapters] wrote {written}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,160 @@
+"""The chapter catalogue: navigation, links, run times and the landing page."""
+
+import json
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+from mgpu_helpers import chapters
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def markdown_links(path: Path) -> list[str]:
+    notebook = json.loads(path.read_text())
+    return [link for cell in notebook["cells"] if cell["cell_type"] == "markdown"
+            for link in LINK.findall("".join(cell["source"]))]
+
+
+def test_every_chapter_has_a_title_summary_and_measured_run_time():
+    found = chapters.read_chapters(NOTEBOOKS)
+    assert [c.number for c in found] == [f"{n:02d}" for n in range(len(found))]
+    for chapter in found:
+        assert chapter.summary and "|" not in chapter.summary, chapter.name
+        assert chapter.run_time_s is not None, (
+            f"{chapter.name} has no measured run time: run `make notebooks "
+            f"NOTEBOOKS=notebooks/{chapter.name}`")
+
+
+def test_every_chapter_carries_its_current_navigation_line():
+    found = chapters.read_chapters(NOTEBOOKS)
+    for index, chapter in enumerate(found):
+        first_cell = "".join(json.loads(chapter.path.read_text())["cells"][0]["source"])
+        expected = chapters.navigation(found, index)
+        assert expected in first_cell.split("\n"), (
+            f"{chapter.name}: navigation out of date; run `make nav`")
+        links = LINK.findall(expected)
+        if index > 0:
+            assert found[index - 1].name in links
+        if index + 1 < len(found):
+            assert found[index + 1].name in links
+            # ...and the last cell sends the reader on, too.
+            last = json.loads(chapter.path.read_text())["cells"][-1]
+            assert f"({found[index + 1].name})" in "".join(last["source"]), chapter.name
+        for module in chapters.helper_modules(chapter.path):
+            assert f"../mgpu_helpers/{module}" in links
+
+
+@pytest.mark.parametrize("path", chapters.chapter_paths(NOTEBOOKS), ids=lambda p: p.name[:2])
+def test_relative_links_in_chapters_point_at_files(path):
+    broken = []
+    for link in markdown_links(path):
+        if re.match(r"^[a-z]+:", link) or link.startswith("#"):
+            continue  # web addresses and anchors within the page
+        target = (path.parent / link.split("#")[0]).resolve()
+        if not target.exists():
+            broken.append(link)
+    assert broken == [], f"{path.name} links to missing files"
+
+
+def write_chapter(path: Path, heading: str, cells: list, summary: str | None = "A line",
+                  run_time: float | None = None) -> Path:
+    metadata = {"kernelspec": {"name": "python3", "display_name": "Python 3",
+                               "language": "python"}}
+    info = {}
+    if summary is not None:
+        info["summary"] = summary
+    if run_time is not None:
+        info["run_time_s"] = run_time
+    metadata[chapters.METADATA_KEY] = info
+    notebook = new_notebook(cells=[new_markdown_cell(heading), *cells], metadata=metadata)
+    nbformat.write(notebook, path)
+    return path
+
+
+def test_helper_modules_follow_imports_and_aliases_across_cells(tmp_path):
+    path = write_chapter(tmp_path / "00_x.ipynb", "# 00 · X", [
+        new_code_cell("import mgpu_helpers as mh\nfrom mgpu_helpers import viz\n"
+                      "%matplotlib inline"),
+        new_code_cell("from mgpu_helpers.data import ImageDataset\nmh.launch(print)"),
+        new_code_cell("mh.rank()  # defined in dist.py, re-exported by the package"),
+    ])
+    assert chapters.helper_modules(path) == ["data/image_folder.py", "dist.py", "launch.py",
+                                             "viz.py"]
+
+
+def test_navigation_links_neighbours_and_helpers(tmp_path):
+    for number, title in (("00", "Start: here"), ("01", "Middle"), ("02", "End")):
+        write_chapter(tmp_path / f"{number}_c.ipynb", f"# {number} · {title}",
+                      [new_code_cell("from mgpu_helpers.seeding import seed_everything")])
+    found = chapters.read_chapters(tmp_path)
+    assert chapters.navigation(found, 0) == (
+        "**Navigate** · Next: [01 · Middle](01_c.ipynb) · Helpers used: "
+        "[`seeding.py`](../mgpu_helpers/seeding.py)")
+    assert "Previous: [00 · Start](00_c.ipynb) · Next: [02 · End](02_c.ipynb)" in (
+        chapters.navigation(found, 1))
+    assert "Next:" not in chapters.navigation(found, 2)
+
+    # update_navigation puts the line under the heading once, then replaces it in place.
+    assert len(chapters.update_navigation(tmp_path)) == 3
+    assert chapters.update_navigation(tmp_path) == []
+    first = "".join(json.loads((tmp_path / "01_c.ipynb").read_text())["cells"][0]["source"])
+    assert first.split("\n")[:3] == ["# 01 · Middle", "", chapters.navigation(found, 1)]
+
+
+def test_read_chapter_names_what_is_missing(tmp_path):
+    no_summary = write_chapter(tmp_path / "03_a.ipynb", "# 03 · A", [], summary=None)
+    with pytest.raises(ValueError, match=r'metadata\["workbook"\]\["summary"\]'):
+        chapters.read_chapter(no_summary)
+    wrong_number = write_chapter(tmp_path / "04_b.ipynb", "# 05 · B", [])
+    with pytest.raises(ValueError, match="heading says chapter 05, the file name says 04"):
+        chapters.read_chapter(wrong_number)
+    no_heading = write_chapter(tmp_path / "06_c.ipynb", "Some text", [])
+    with pytest.raises(ValueError, match="must start with a heading '# 06 · Title'"):
+        chapters.read_chapter(no_heading)
+
+
+def test_landing_page_maps_chapters_and_shows_the_report(tmp_path):
+    write_chapter(tmp_path / "00_a.ipynb", "# 00 · Alpha", [], summary="learn a", run_time=37.2)
+    write_chapter(tmp_path / "01_b.ipynb", "# 01 · Beta", [], summary="learn b", run_time=150)
+    write_chapter(tmp_path / "02_c.ipynb", "# 02 · Gamma", [], summary="learn c")
+    out = chapters.write_landing(tmp_path, tmp_path / chapters.LANDING_NAME,
+                                 report_text="Environment report\n  Workbook plan  test")
+    notebook = nbformat.read(out, as_version=4)
+    nbformat.validate(notebook)
+    text = "\n".join(cell.source for cell in notebook.cells)
+    assert "| 00 | [Alpha](00_a.ipynb) | learn a | 37 s |" in text
+    assert "| 01 | [Beta](01_b.ipynb) | learn b | 2.5 min |" in text
+    assert ("| 02 | [Gamma](02_c.ipynb) | learn c | not measured yet (run `make notebooks`) |"
+            in text)
+    report = [c for c in notebook.cells if chapters.REPORT_TAG in c.metadata.get("tags", [])]
+    assert len(report) == 1 and "Workbook plan  test" in report[0].outputs[0]["text"]
+    assert not list(tmp_path.glob(".*.tmp")), "the page is written atomically"
+
+
+def test_execute_stores_outputs_and_run_time_and_keeps_a_failing_notebook(tmp_path):
+    good = write_chapter(tmp_path / "00_ok.ipynb", "# 00 · Ok", [new_code_cell("print(6 * 7)")])
+    times = chapters.execute([good])
+    stored = json.loads(good.read_text())
+    assert "".join(stored["cells"][1]["outputs"][0]["text"]) == "42\n"
+    assert stored["metadata"]["workbook"]["run_time_s"] == round(times["00_ok.ipynb"], 1) > 0
+    assert stored["metadata"]["workbook"]["summary"] == "A line"  # the rest is kept
+
+    bad = write_chapter(tmp_path / "01_bad.ipynb", "# 01 · Bad",
+                        [new_code_cell("raise ValueError('broken on purpose')")])
+    before = bad.read_bytes()
+    with pytest.raises(Exception, match="broken on purpose"):
+        chapters.execute([bad])
+    assert bad.read_bytes() == before
+
+
+def test_command_line_rejects_a_missing_notebook(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        chapters.main(["execute", "notebooks/99_missing.ipynb"])
+    assert stopped.value.code == 2
+    assert "no such notebook: notebooks/99_missing.ipynb" in capsys.readouterr().err
