@@ -1,0 +1,223 @@
+"""The workbook as readers use it: JupyterLab in a real Chromium, driven by Playwright.
+
+One JupyterLab server (free 127.0.0.1 port, random token) serves copies of chapters 00,
+01 and 04 and the landing page; one headless Chromium opens each chapter, clears its
+stored outputs, runs every cell from the Run menu, saves it, and checks what a reader
+would see: no error output (beyond cells tagged ``raises-exception``), every plot drawn
+as a decoded image, the augmentation explorer's sliders redrawing the picture, launched
+ranks' ``[rank k]`` lines in the cell. A screenshot of each chapter is saved to
+``$BROWSER_ARTIFACTS`` (default ``runs/browser/``).
+
+Needs Chromium (Debian's ``chromium`` package, or ``$MGPU_CHROMIUM``); without it the
+test is skipped with a message saying so, or fails when ``MGPU_REQUIRE_BROWSER=1``
+(CI sets it, having installed Chromium).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+from lab_session import ROOT, LabServer, chromium_page, find_chromium, prepare_workdir
+
+from mgpu_helpers import chapters
+
+CHAPTERS = ["00_environment.ipynb", "01_datasets_and_augmentation.ipynb",
+            "04_distributed_data_parallel.ipynb"]
+RUN_TIMEOUT_S = 600  # chapter 04 takes ~80 s in nbval; a browser on 2 cores adds to it
+ARTIFACTS = Path(os.environ.get("BROWSER_ARTIFACTS", ROOT / "runs" / "browser"))
+
+CHROMIUM = find_chromium()
+if CHROMIUM is None:
+    message = ("Chromium not found, so JupyterLab was not tested in a browser: install "
+               "Debian's 'chromium' package (sudo apt-get install chromium) or set "
+               "MGPU_CHROMIUM to a Chromium binary")
+    if os.environ.get("MGPU_REQUIRE_BROWSER") == "1":
+        pytest.fail(message + " (MGPU_REQUIRE_BROWSER=1 makes this an error)",
+                    pytrace=False)
+    pytest.skip(message, allow_module_level=True)
+pytest.importorskip("playwright", reason="the 'playwright' package is not installed: "
+                    "pip install -e '.[test]'")
+
+# Poll on a timer: a headless page's animation frames can stall while the kernel works.
+POLL_MS = 500
+ALL_PROMPTS_NUMBERED = """() => {
+    const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')];
+    const idle = document.querySelector('.jp-Notebook-ExecutionIndicator[data-status="idle"]');
+    return idle !== null && prompts.length > 0
+        && prompts.every(p => /\\[\\d+\\]/.test(p.textContent));
+}"""
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    workdir = prepare_workdir(tmp_path_factory.mktemp("browser") / "workbook", CHAPTERS)
+    chapters.write_landing(workdir / "notebooks", workdir / "notebooks" / chapters.LANDING_NAME)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    server = LabServer(workdir, workdir / "jupyterlab.log")  # kept with pytest's tmp dirs
+    with server, chromium_page(CHROMIUM) as page:
+        page.set_default_timeout(60_000)
+        yield server, page
+        kernels = server.kernel_pids()
+    assert server.process.poll() is not None, "the JupyterLab server is still running"
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() for pid in kernels) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [pid for pid in kernels if Path(f"/proc/{pid}").exists()], "kernels left running"
+
+
+def menu(page, top: str, item: str) -> None:
+    """Click a JupyterLab menu entry, e.g. ``menu(page, "Run", "Run All Cells")``."""
+    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(f"^{re.escape(top)}$")).click()
+    page.locator(".lm-Menu-itemLabel",
+                 has_text=re.compile(f"^{re.escape(item)}$")).first.click()
+
+
+def open_notebook(server: LabServer, page, relative: str) -> None:
+    # `reset` starts from an empty workspace, so only this notebook is open.
+    page.goto(server.url(f"/lab/tree/{relative}") + "&reset")
+    page.wait_for_selector(".jp-Notebook .jp-Cell")
+    page.wait_for_selector('.jp-Notebook-ExecutionIndicator[data-status="idle"]')
+
+
+def run_all_and_save(server: LabServer, page, relative: str) -> dict:
+    """Clear outputs, run every cell from the Run menu, save; the notebook as saved."""
+    open_notebook(server, page, relative)
+    menu(page, "Edit", "Clear Outputs of All Cells")
+    page.wait_for_function("() => document.querySelectorAll('.jp-OutputArea-output')"
+                           ".length === 0", polling=POLL_MS)
+    menu(page, "Run", "Run All Cells")
+    try:
+        page.wait_for_function(ALL_PROMPTS_NUMBERED, timeout=RUN_TIMEOUT_S * 1000,
+                               polling=POLL_MS)
+    except Exception:
+        screenshot(page, f"FAILED-{Path(relative).name}")
+        raise
+    before = server.modified(relative)
+    menu(page, "File", "Save Notebook")
+    # Read the file only once JupyterLab says the save is done: reading a notebook while
+    # the server writes it makes the server restore the previous version.
+    page.wait_for_selector(".lm-TabBar-tab.jp-mod-current:not(.jp-mod-dirty)")
+    deadline = time.monotonic() + 60
+    while server.modified(relative) == before:
+        if time.monotonic() > deadline:
+            pytest.fail(f"{relative}: JupyterLab did not save the notebook within 60 s")
+        time.sleep(0.5)
+    saved = server.saved_notebook(relative)
+    counts = [c["execution_count"] for c in saved["cells"] if c["cell_type"] == "code"]
+    assert counts == list(range(1, len(counts) + 1)), (
+        f"{relative}: the saved notebook is not one run of every cell in order: {counts}")
+    return saved
+
+
+def check_no_errors(saved: dict, name: str) -> None:
+    for index, cell in enumerate(saved["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        errors = [o for o in cell["outputs"] if o["output_type"] == "error"]
+        expected = "raises-exception" in cell["metadata"].get("tags", [])
+        shown = "; ".join(f"{o['ename']}: {o['evalue']}" for o in errors)
+        assert bool(errors) == expected, (
+            f"{name} cell {index}: " + (f"error output {shown}" if errors
+                                         else "tagged raises-exception but raised nothing"))
+
+
+def check_images(page, saved: dict, name: str) -> int:
+    """Every image/png output in the saved notebook is drawn, decoded, in the page."""
+    stored = sum("image/png" in o.get("data", {}) for c in saved["cells"]
+                 if c["cell_type"] == "code" for o in c["outputs"])
+    drawn = page.eval_on_selector_all(
+        ".jp-OutputArea-output img",
+        "images => images.map(i => i.complete && i.naturalWidth > 0)")
+    assert stored > 0, f"{name} produced no plot"
+    assert len(drawn) >= stored and all(drawn), (
+        f"{name}: {stored} plots in the notebook, {sum(drawn)} of {len(drawn)} images "
+        "decoded in the page")
+    return stored
+
+
+def screenshot(page, name: str, focus=None) -> Path:
+    if focus is not None:
+        focus.scroll_into_view_if_needed()
+    path = ARTIFACTS / f"{Path(name).stem}.png"
+    page.screenshot(path=path)
+    assert path.stat().st_size > 10_000, f"{path} looks empty"
+    return path
+
+
+def output_of(page, text: str):
+    """The output area of the code cell whose input contains ``text``."""
+    cell = page.locator(".jp-CodeCell", has=page.locator(".jp-InputArea", has_text=text))
+    return cell.first.locator(".jp-OutputArea")
+
+
+def test_chapter_00_runs(lab):
+    server, page = lab
+    saved = run_all_and_save(server, page, f"notebooks/{CHAPTERS[0]}")
+    check_no_errors(saved, CHAPTERS[0])
+    check_images(page, saved, CHAPTERS[0])
+    report = page.locator(".jp-OutputArea-output", has_text="Environment report").first
+    assert "Workbook plan" in report.inner_text()
+    screenshot(page, CHAPTERS[0], page.locator(".jp-OutputArea-output img").first)
+
+
+def test_chapter_01_runs_and_its_explorer_redraws(lab):
+    server, page = lab
+    saved = run_all_and_save(server, page, f"notebooks/{CHAPTERS[1]}")
+    check_no_errors(saved, CHAPTERS[1])
+    check_images(page, saved, CHAPTERS[1])
+
+    explorer = page.locator(".widget-interact").first
+    explorer.scroll_into_view_if_needed()
+    sliders = explorer.locator(".widget-hslider")
+    assert sliders.count() == 5, "the explorer should show 5 sliders"
+    assert explorer.locator(".widget-checkbox").count() == 1
+    picture = explorer.locator(".widget-output img")
+    page.wait_for_function("e => e.complete && e.naturalWidth > 0",
+                           arg=picture.element_handle(), polling=POLL_MS)
+    before = picture.get_attribute("src")
+    rotation = sliders.first
+    readout = rotation.locator(".widget-readout")
+    assert readout.inner_text().strip() in ("0", "0.0", "0.00")
+    rotation.locator(".noUi-handle").focus()
+    for _ in range(9):  # 5 degrees a step: 45 degrees
+        page.keyboard.press("ArrowRight")
+    page.wait_for_function(
+        "([e, old]) => e.querySelector('img') && e.querySelector('img').src !== old",
+        arg=[explorer.locator(".widget-output").element_handle(), before], polling=POLL_MS)
+    assert float(readout.inner_text()) == 45.0
+    screenshot(page, CHAPTERS[1], explorer)
+
+
+def test_chapter_04_trains_with_rank_output(lab):
+    server, page = lab
+    saved = run_all_and_save(server, page, f"notebooks/{CHAPTERS[2]}")
+    check_no_errors(saved, CHAPTERS[2])
+    check_images(page, saved, CHAPTERS[2])
+    # Every rank prints in the broadcast check; rank 0 reports (and shows a bar) in training.
+    broadcast = output_of(page, "def weights_before_and_after_ddp").inner_text()
+    for rank in (0, 1):
+        assert f"[rank {rank}] sum of fc2.weight before DDP" in broadcast, broadcast
+    training = output_of(page, "mh.launch(train_digits, run")
+    assert re.search(r"\[rank 0\] epoch 3: train loss .* test accuracy", training.inner_text())
+    screenshot(page, CHAPTERS[2], training)
+
+
+def test_landing_page_links_every_chapter(lab):
+    server, page = lab
+    open_notebook(server, page, f"notebooks/{chapters.LANDING_NAME}")
+    page.wait_for_selector(".jp-RenderedMarkdown table a")
+    links = page.eval_on_selector_all(".jp-RenderedMarkdown a",
+                                      "anchors => anchors.map(a => a.getAttribute('href'))")
+    # JupyterLab rewrites relative links into its own URLs; the file name stays last.
+    linked = [name for link in links for name in CHAPTERS if link.split("?")[0].endswith(name)]
+    assert linked == CHAPTERS, links
+    report = page.locator(".jp-OutputArea-output", has_text="Environment report")
+    assert "Workbook plan" in report.inner_text()
+    screenshot(page, chapters.LANDING_NAME)
+    # A link opens the chapter in JupyterLab.
+    page.locator(".jp-RenderedMarkdown a", has_text=re.compile("^Datasets and")).click()
+    page.wait_for_selector(".lm-TabBar-tab.jp-mod-current >> text=01_datasets")
