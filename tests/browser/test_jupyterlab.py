@@ -15,6 +15,7 @@ test is skipped with a message saying so, or fails when ``MGPU_REQUIRE_BROWSER=1
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import time
@@ -30,17 +31,24 @@ CHAPTERS = ["00_environment.ipynb", "01_datasets_and_augmentation.ipynb",
 RUN_TIMEOUT_S = 600  # chapter 04 takes ~80 s in nbval; a browser on 2 cores adds to it
 ARTIFACTS = Path(os.environ.get("BROWSER_ARTIFACTS", ROOT / "runs" / "browser"))
 
+def _missing() -> str | None:
+    """Why the browser test cannot run here, or None."""
+    if find_chromium() is None:
+        return ("Chromium not found, so JupyterLab was not tested in a browser: install "
+                "Debian's 'chromium' package (sudo apt-get install chromium) or set "
+                "MGPU_CHROMIUM to a Chromium binary")
+    if importlib.util.find_spec("playwright") is None:
+        return "the 'playwright' package is not installed: pip install -e '.[test]'"
+    return None
+
+
+MISSING = _missing()
+if MISSING and os.environ.get("MGPU_REQUIRE_BROWSER") == "1":
+    pytest.fail(MISSING + " (MGPU_REQUIRE_BROWSER=1 makes this an error)", pytrace=False)
+# Skipped tests, not a skipped module: pytest would call a run with nothing collected a
+# failure (exit status 5).
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 CHROMIUM = find_chromium()
-if CHROMIUM is None:
-    message = ("Chromium not found, so JupyterLab was not tested in a browser: install "
-               "Debian's 'chromium' package (sudo apt-get install chromium) or set "
-               "MGPU_CHROMIUM to a Chromium binary")
-    if os.environ.get("MGPU_REQUIRE_BROWSER") == "1":
-        pytest.fail(message + " (MGPU_REQUIRE_BROWSER=1 makes this an error)",
-                    pytrace=False)
-    pytest.skip(message, allow_module_level=True)
-pytest.importorskip("playwright", reason="the 'playwright' package is not installed: "
-                    "pip install -e '.[test]'")
 
 # Poll on a timer: a headless page's animation frames can stall while the kernel works.
 POLL_MS = 500
