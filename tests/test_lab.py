@@ -40,6 +40,21 @@ def wait_for_url(server: subprocess.Popen, log: Path, timeout: float = 120.0) ->
     pytest.fail(f"make lab printed no URL within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
+def wait_until_answering(base: str, timeout: float = 60.0) -> None:
+    """Jupyter prints its URL a moment before it accepts connections."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(f"{base}/api/status", timeout=10)
+            return
+        except urllib.error.HTTPError:
+            return  # it answered (403 without the token)
+        except (urllib.error.URLError, ConnectionError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def http(url: str, token: str | None = None, method: str = "GET", body: dict | None = None):
     request = urllib.request.Request(url, method=method,
                                      data=None if body is None else json.dumps(body).encode())
@@ -96,6 +111,7 @@ def test_make_lab_serves_chapter_00_on_loopback_with_token(tmp_path):
         match = wait_for_url(server, log)
         base, port, opened, token = match.groups()
         assert opened == LANDING, "make lab should open the landing page"
+        wait_until_answering(base)
         status, landing = http(f"{base}/api/contents/{LANDING}?content=1", token)
         text = json.dumps(landing["content"])
         assert "00_environment.ipynb" in text and "08_debugging_distributed.ipynb" in text
