@@ -44,6 +44,7 @@ class Chapter:
     title: str            # "DistributedDataParallel: ..."
     summary: str          # one line: what you learn
     run_time_s: float | None  # measured by `execute`; None if never timed
+    run_time_machine: str | None = None  # where it was measured, e.g. "2 CPUs, no GPU"
 
     @property
     def name(self) -> str:
@@ -74,7 +75,8 @@ def read_chapter(path: Path) -> Chapter:
         raise ValueError(f'{path}: no one-line summary; set metadata["{METADATA_KEY}"]'
                          '["summary"] (shown on the landing page)')
     return Chapter(number=heading.group(1), path=path, title=heading.group(2).strip(),
-                   summary=summary, run_time_s=info.get("run_time_s"))
+                   summary=summary, run_time_s=info.get("run_time_s"),
+                   run_time_machine=info.get("run_time_machine"))
 
 
 def read_chapters(notebooks_dir: Path) -> list[Chapter]:
@@ -227,8 +229,8 @@ def landing_notebook(chapters: list[Chapter], report_text: str, measured_on: str
         "processes over `gloo`; on a GPU node, one process per GPU over NCCL, with no "
         "change to the notebooks.\n\n"
         "This page is written by `make lab` each time it starts (it is not part of the "
-        "repository); the chapters' run times are measured by `make notebooks` "
-        f"on {measured_on}."
+        "repository). The chapters' run times were measured by `make notebooks` "
+        f"(a fresh kernel each, start-up included) on {measured_on}."
     )
     report_cell = {
         "cell_type": "code", "id": "report", "execution_count": 1,
@@ -261,7 +263,8 @@ def write_landing(notebooks_dir: Path, out_path: Path, report_text: str | None =
         from .env import describe
         report_text = str(describe())
     chapters = read_chapters(notebooks_dir)
-    measured_on = "a 2-core CPU with no GPU (the project's CI machine)"
+    machines = sorted({c.run_time_machine for c in chapters if c.run_time_machine})
+    measured_on = " and ".join(machines) if machines else "this machine, once you run it"
     notebook = landing_notebook(chapters, report_text, measured_on)
     out_path = Path(out_path)
     temporary = out_path.with_name(f".{out_path.name}.tmp")
@@ -273,7 +276,15 @@ def write_landing(notebooks_dir: Path, out_path: Path, report_text: str | None =
 def _stamp_run_time(metadata: dict, seconds: float) -> None:
     info = metadata.setdefault(METADATA_KEY, {})
     info["run_time_s"] = round(seconds, 1)
-    info["run_time_machine"] = f"{os.cpu_count()} CPUs, {platform.machine()}"
+    info["run_time_machine"] = machine_description()
+
+
+def machine_description() -> str:
+    """``2 CPUs, x86_64, no GPU``: where a run time was measured."""
+    from .env import count_gpus
+    gpus = count_gpus()
+    gpu_text = "no GPU" if gpus == 0 else f"{gpus} GPU{'s' if gpus > 1 else ''}"
+    return f"{os.cpu_count()} CPUs, {platform.machine()}, {gpu_text}"
 
 
 def _write_notebook(path: Path, notebook: dict) -> None:

@@ -71,6 +71,8 @@ def write_chapter(path: Path, heading: str, cells: list, summary: str | None = "
         info["summary"] = summary
     if run_time is not None:
         info["run_time_s"] = run_time
+    if run_time is not None:
+        info["run_time_machine"] = "2 CPUs, x86_64, no GPU"
     metadata[chapters.METADATA_KEY] = info
     notebook = new_notebook(cells=[new_markdown_cell(heading), *cells], metadata=metadata)
     nbformat.write(notebook, path)
@@ -134,6 +136,8 @@ def test_landing_page_maps_chapters_and_shows_the_report(tmp_path):
             in text)
     report = [c for c in notebook.cells if chapters.REPORT_TAG in c.metadata.get("tags", [])]
     assert len(report) == 1 and "Workbook plan  test" in report[0].outputs[0]["text"]
+    assert "measured by `make notebooks` (a fresh kernel each, start-up included) on " \
+        "2 CPUs, x86_64, no GPU." in text
     assert not list(tmp_path.glob(".*.tmp")), "the page is written atomically"
 
 
@@ -144,6 +148,8 @@ def test_execute_stores_outputs_and_run_time_and_keeps_a_failing_notebook(tmp_pa
     assert "".join(stored["cells"][1]["outputs"][0]["text"]) == "42\n"
     assert stored["metadata"]["workbook"]["run_time_s"] == round(times["00_ok.ipynb"], 1) > 0
     assert stored["metadata"]["workbook"]["summary"] == "A line"  # the rest is kept
+    assert re.fullmatch(r"\d+ CPUs, \w+, (no GPU|\d+ GPUs?)",
+                        stored["metadata"]["workbook"]["run_time_machine"])
 
     bad = write_chapter(tmp_path / "01_bad.ipynb", "# 01 · Bad",
                         [new_code_cell("raise ValueError('broken on purpose')")])
