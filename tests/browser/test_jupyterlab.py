@@ -52,12 +52,21 @@ CHROMIUM = find_chromium()
 
 # Poll on a timer: a headless page's animation frames can stall while the kernel works.
 POLL_MS = 500
-ALL_PROMPTS_NUMBERED = """() => {
-    const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')];
-    const idle = document.querySelector('.jp-Notebook-ExecutionIndicator[data-status="idle"]');
-    return idle !== null && prompts.length > 0
-        && prompts.every(p => /\\[\\d+\\]/.test(p.textContent));
-}"""
+# The kernel as the status bar shows it ("Python 3 (ipykernel) | Idle"): connected and
+# idle. The notebook toolbar's indicator reads "idle" before the kernel has connected,
+# and cells run before then are silently skipped.
+KERNEL_IDLE = """() => [...document.querySelectorAll('.jp-StatusBar-TextItem')]
+    .some(item => /\\|\\s*Idle\\s*$/.test(item.textContent))"""
+# Where Run All has got to: prompts numbered, waiting ([*]), and all code cells.
+RUN_STATE = """() => {
+    const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]
+        .map(p => p.textContent);
+    return {total: prompts.length,
+            numbered: prompts.filter(t => /\\[\\d+\\]/.test(t)).length,
+            waiting: prompts.filter(t => t.includes('*')).length,
+            idle: (KERNEL_IDLE)()};
+}""".replace("(KERNEL_IDLE)", "(" + KERNEL_IDLE + ")")
+SETTLED_POLLS = 6  # kernel idle, nothing waiting, for 3 s: Run All has finished or stopped
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +97,37 @@ def open_notebook(server: LabServer, page, relative: str) -> None:
     # `reset` starts from an empty workspace, so only this notebook is open.
     page.goto(server.url(f"/lab/tree/{relative}") + "&reset")
     page.wait_for_selector(".jp-Notebook .jp-Cell")
-    page.wait_for_selector('.jp-Notebook-ExecutionIndicator[data-status="idle"]')
+    page.wait_for_function(KERNEL_IDLE, polling=POLL_MS)
+
+
+def wait_for_run_all(server: LabServer, page, relative: str) -> None:
+    """Return once every code cell has run; fail fast, naming the cell, if Run All stops."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    settled = 0
+    while True:
+        state = page.evaluate(RUN_STATE)
+        if state["idle"] and state["waiting"] == 0 and state["total"] > 0:
+            if state["numbered"] == state["total"]:
+                return
+            settled += 1
+        else:
+            settled = 0
+        if settled >= SETTLED_POLLS or time.monotonic() > deadline:
+            break
+        time.sleep(POLL_MS / 1000)
+    screenshot(page, f"FAILED-{Path(relative).name}")
+    if settled < SETTLED_POLLS:
+        pytest.fail(f"{relative}: Run All had not finished after {RUN_TIMEOUT_S} s "
+                    f"({state['numbered']} of {state['total']} code cells run)")
+    menu(page, "File", "Save Notebook")  # keep what ran, to name the failing cell
+    page.wait_for_selector(".lm-TabBar-tab.jp-mod-current:not(.jp-mod-dirty)")
+    errors = [f"cell {index}: {o['ename']}: {o['evalue']}"
+              for index, cell in enumerate(server.saved_notebook(relative)["cells"])
+              if cell["cell_type"] == "code"
+              for o in cell.get("outputs", []) if o["output_type"] == "error"]
+    pytest.fail(f"{relative}: Run All stopped with {state['numbered']} of {state['total']} "
+                "code cells run; " + ("; ".join(errors) if errors else
+                                      "no cell raised (was the kernel connected?)"))
 
 
 def run_all_and_save(server: LabServer, page, relative: str) -> dict:
@@ -98,12 +137,7 @@ def run_all_and_save(server: LabServer, page, relative: str) -> dict:
     page.wait_for_function("() => document.querySelectorAll('.jp-OutputArea-output')"
                            ".length === 0", polling=POLL_MS)
     menu(page, "Run", "Run All Cells")
-    try:
-        page.wait_for_function(ALL_PROMPTS_NUMBERED, timeout=RUN_TIMEOUT_S * 1000,
-                               polling=POLL_MS)
-    except Exception:
-        screenshot(page, f"FAILED-{Path(relative).name}")
-        raise
+    wait_for_run_all(server, page, relative)
     before = server.modified(relative)
     menu(page, "File", "Save Notebook")
     # Read the file only once JupyterLab says the save is done: reading a notebook while
