@@ -53,11 +53,12 @@ nbval: $(STAMP)
 	$(WITH_NB_ENV) $(BIN)/pytest $(NBVAL_FLAGS) $(NOTEBOOKS)
 
 # Re-execute every chapter in a fresh kernel, under the settings nbval uses, storing outputs
-# and each chapter's run time (shown on the landing page).
+# and each chapter's run time (shown on the landing page and in its navigation line).
 notebooks: $(STAMP)
 	$(WITH_NB_ENV) $(BIN)/python -m mgpu_helpers.chapters execute $(NOTEBOOKS)
+	$(BIN)/python -m mgpu_helpers.chapters nav notebooks
 
-# Rewrite each chapter's navigation line (previous, next, helper modules used).
+# Rewrite each chapter's navigation line (previous, next, helper modules used, run time).
 nav: $(STAMP)
 	$(BIN)/python -m mgpu_helpers.chapters nav notebooks
 

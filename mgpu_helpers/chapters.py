@@ -154,8 +154,9 @@ def short_title(chapter: Chapter) -> str:
 def navigation(chapters: list[Chapter], index: int) -> str:
     """The navigation line a chapter carries under its heading.
 
-    Previous and next chapter (where there is one), and a link to every helper module
-    its code uses, so a reader can always see what ``mgpu_helpers`` does for them.
+    Previous and next chapter (where there is one), a link to every helper module its
+    code uses, so a reader can always see what ``mgpu_helpers`` does for them, and the
+    chapter's run time as ``make notebooks`` last measured it, with the machine.
     """
     parts = []
     if index > 0:
@@ -168,6 +169,10 @@ def navigation(chapters: list[Chapter], index: int) -> str:
     if modules:
         links = ", ".join(f"[`{m}`](../mgpu_helpers/{m})" for m in modules)
         parts.append(f"Helpers used: {links}")
+    chapter = chapters[index]
+    if chapter.run_time_s is not None:
+        where = f" on {chapter.run_time_machine}" if chapter.run_time_machine else ""
+        parts.append(f"Run time: {format_run_time(chapter.run_time_s)}{where}")
     return NAV_PREFIX + " · ".join(parts)
 
 

@@ -71,7 +71,6 @@ def write_chapter(path: Path, heading: str, cells: list, summary: str | None = "
         info["summary"] = summary
     if run_time is not None:
         info["run_time_s"] = run_time
-    if run_time is not None:
         info["run_time_machine"] = "2 CPUs, x86_64, no GPU"
     metadata[chapters.METADATA_KEY] = info
     notebook = new_notebook(cells=[new_markdown_cell(heading), *cells], metadata=metadata)
@@ -91,13 +90,16 @@ def test_helper_modules_follow_imports_and_aliases_across_cells(tmp_path):
 
 
 def test_navigation_links_neighbours_and_helpers(tmp_path):
-    for number, title in (("00", "Start: here"), ("01", "Middle"), ("02", "End")):
+    for number, title, run_time in (("00", "Start: here", 36.4), ("01", "Middle", None),
+                                    ("02", "End", None)):
         write_chapter(tmp_path / f"{number}_c.ipynb", f"# {number} · {title}",
-                      [new_code_cell("from mgpu_helpers.seeding import seed_everything")])
+                      [new_code_cell("from mgpu_helpers.seeding import seed_everything")],
+                      run_time=run_time)
     found = chapters.read_chapters(tmp_path)
     assert chapters.navigation(found, 0) == (
         "**Navigate** · Next: [01 · Middle](01_c.ipynb) · Helpers used: "
-        "[`seeding.py`](../mgpu_helpers/seeding.py)")
+        "[`seeding.py`](../mgpu_helpers/seeding.py) · Run time: 36 s on 2 CPUs, x86_64, no GPU")
+    assert "Run time" not in chapters.navigation(found, 1)  # never measured: nothing claimed
     assert "Previous: [00 · Start](00_c.ipynb) · Next: [02 · End](02_c.ipynb)" in (
         chapters.navigation(found, 1))
     assert "Next:" not in chapters.navigation(found, 2)
