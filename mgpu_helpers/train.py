@@ -25,12 +25,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Subset
-from tqdm import tqdm as text_tqdm
-from tqdm.auto import tqdm as auto_tqdm
 
 from .dist import device as rank_device
 from .dist import is_main, rank, world_size
-from .launch import INSIDE_RANK_VAR
+from .progress import progress_bar
 
 CHECKPOINT_FORMAT = 1
 
@@ -106,11 +104,8 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
     count = torch.zeros((), dtype=torch.int64)
     batches = len(loader) if accumulate > 1 else None  # a loader without len: accumulate=1
     can_skip_sync = isinstance(model, nn.parallel.DistributedDataParallel)
-    # A rank forked from a notebook must not draw a notebook widget: its connection to
-    # the front end belongs to the parent. The launcher shows a text bar's updates live.
-    bar_type = text_tqdm if os.environ.get(INSIDE_RANK_VAR) else auto_tqdm
-    bar = bar_type(loader, desc=f"epoch {epoch}", unit="batch", leave=False,
-                   disable=not (progress and is_main()))
+    bar = progress_bar(loader, desc=f"epoch {epoch}", unit="batch", leave=False,
+                       disable=not (progress and is_main()))
     optimizer.zero_grad(set_to_none=True)
     for step, (images, labels) in enumerate(bar):
         images = images.to(device, non_blocking=True,

@@ -1,6 +1,7 @@
 """Embedded data preparation, the image-folder dataset, collate functions, loader seeding."""
 
 import json
+import multiprocessing
 import os
 import random
 import shutil
@@ -76,6 +77,31 @@ def test_partial_or_damaged_tree_is_rebuilt(tmp_path, damage):
         (root / "manifest.json").unlink()
     prepare_digits(root, progress=False)
     assert victim.read_bytes() == original
+    assert not list(tmp_path.glob("digits.partial-*")), "staging folder left behind"
+
+
+def _prepare_and_count(root, start, results):
+    start.wait()
+    try:
+        tree = prepare_digits(root, progress=False)
+        results.put(len(list(tree.rglob("*.png"))))
+    except Exception as error:  # reported to the test, which fails naming it
+        results.put(repr(error))
+
+
+def test_processes_preparing_at_once_take_turns(tmp_path):
+    # Every rank of a first run prepares the digits: none may fail, or see a tree that
+    # another process is deleting to replace.
+    context = multiprocessing.get_context("fork")
+    start, results = context.Barrier(4), context.Queue()
+    workers = [context.Process(target=_prepare_and_count,
+                               args=(tmp_path / "digits", start, results)) for _ in range(4)]
+    for worker in workers:
+        worker.start()
+    counts = [results.get(timeout=120) for _ in workers]
+    for worker in workers:
+        worker.join(timeout=30)
+    assert counts == [1797] * 4
     assert not list(tmp_path.glob("digits.partial-*")), "staging folder left behind"
 
 

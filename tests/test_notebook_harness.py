@@ -80,3 +80,28 @@ def test_a_widget_progress_bar_in_the_kernel_survives_nbval(tmp_path):
     done = run_nbval(path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 passed" in done.stdout
+
+
+def test_a_rank_forked_from_the_kernel_shows_a_text_bar(tmp_path):
+    """A widget drawn by a forked rank would never reach the page (its messages are
+    dropped, and the kernel logs "attempted to send message from fork"). progress_bar
+    draws text inside a rank, which the launcher relays with the rank's prefix."""
+    notebook = new_notebook(metadata={"kernelspec": {"name": "python3", "language": "python",
+                                                     "display_name": "Python 3"}})
+    notebook.cells.append(new_code_cell(
+        "from mgpu_helpers import launch\nfrom mgpu_helpers.progress import progress_bar\n\n"
+        "def work():\n    for _ in progress_bar(range(3), desc='rank work', unit='step'):\n"
+        "        pass\n\n"
+        "launch(work, nprocs=1, start_method='fork')\nprint('done')"))
+    path = tmp_path / "rank_bar.ipynb"
+    nbformat.write(notebook, path)
+    executed = subprocess.run(["make", "--no-print-directory", "notebooks",
+                               f"NOTEBOOKS={path}"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+    assert executed.returncode == 0, executed.stdout + executed.stderr
+    assert "send message from fork" not in executed.stderr
+    outputs = nbformat.read(path, as_version=4).cells[0].outputs
+    assert all(output["output_type"] == "stream" for output in outputs), outputs
+    text = "".join(output["text"] for output in outputs)
+    assert "[rank 0] rank work: 100%" in text
+    assert text.endswith("done\n")

@@ -8,7 +8,9 @@
 
 Preparation is deterministic and idempotent: a tree whose manifest matches is left
 alone; a missing, partial or damaged one is rebuilt in a temporary folder and moved
-into place, so an interrupted build never leaves a half-written tree behind.
+into place, so an interrupted build never leaves a half-written tree behind. Processes
+that prepare the same tree at once (every rank of a first run calls ``prepare_digits``)
+take turns through a lock file next to it: one builds, the others find the tree intact.
 """
 
 from __future__ import annotations
@@ -17,11 +19,19 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
-from tqdm.auto import tqdm
+
+from ..progress import progress_bar
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; ranks there are spawned, rarely at once
+    fcntl = None
 
 DATA_DIR_VAR = "MGPU_DATA_DIR"
 MANIFEST = "manifest.json"
@@ -60,6 +70,17 @@ def _tree_is_intact(root: Path, version: int) -> bool:
     )
 
 
+@contextmanager
+def _exclusive(root: Path) -> Iterator[None]:
+    """Hold ``.<name>.lock`` beside ``root`` while preparing it (released on exit, also
+    when the process dies)."""
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f".{root.name}.lock", "a") as handle:
+        if fcntl is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
 def _publish(staging: Path, root: Path, version: int) -> None:
     files = {str(p.relative_to(staging)): _sha256(p)
              for p in sorted(staging.rglob("*")) if p.is_file()}
@@ -87,12 +108,18 @@ def prepare_digits(root: Path | None = None, progress: bool = True) -> Path:
     root = Path(root) if root is not None else data_dir() / "digits"
     if _tree_is_intact(root, DIGITS_VERSION):
         return root
-    digits = load_digits()
+    with _exclusive(root):
+        if not _tree_is_intact(root, DIGITS_VERSION):  # another process may have built it
+            _write_digits(root, load_digits(), progress)
+    return root
+
+
+def _write_digits(root: Path, digits, progress: bool) -> None:
     staging = root.with_name(f"{root.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     seen_per_class: dict[int, int] = {}
-    for index in tqdm(range(len(digits.target)), desc="Writing digits", unit="img",
-                      disable=not progress):
+    for index in progress_bar(range(len(digits.target)), desc="Writing digits", unit="img",
+                              disable=not progress):
         label = int(digits.target[index])
         position = seen_per_class.get(label, 0)
         seen_per_class[label] = position + 1
@@ -101,7 +128,6 @@ def prepare_digits(root: Path | None = None, progress: bool = True) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
         digit_image(digits.images[index]).save(folder / f"{index:04d}.png")
     _publish(staging, root, DIGITS_VERSION)
-    return root
 
 
 def prepare_photos(root: Path | None = None) -> Path:
@@ -111,12 +137,14 @@ def prepare_photos(root: Path | None = None) -> Path:
     root = Path(root) if root is not None else data_dir() / "photos"
     if _tree_is_intact(root, 1):
         return root
-    staging = root.with_name(f"{root.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    for source in load_sample_images().filenames:
-        shutil.copyfile(source, staging / Path(source).name)
-    _publish(staging, root, 1)
+    with _exclusive(root):
+        if not _tree_is_intact(root, 1):
+            staging = root.with_name(f"{root.name}.partial-{os.getpid()}")
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+            for source in load_sample_images().filenames:
+                shutil.copyfile(source, staging / Path(source).name)
+            _publish(staging, root, 1)
     return root
 
 
