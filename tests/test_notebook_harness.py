@@ -42,6 +42,20 @@ def run_nbval(notebook: Path) -> subprocess.CompletedProcess:
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
+def execute_one_cell(path: Path, source: str) -> tuple[subprocess.CompletedProcess, list]:
+    """Write a one-cell notebook, execute it with `make notebooks` (fresh kernel, notebook
+    settings), and return the run and the cell's stored outputs."""
+    notebook = new_notebook(metadata={"kernelspec": {"name": "python3", "language": "python",
+                                                     "display_name": "Python 3"}})
+    notebook.cells.append(new_code_cell(source))
+    nbformat.write(notebook, path)
+    executed = subprocess.run(["make", "--no-print-directory", "notebooks",
+                               f"NOTEBOOKS={path}"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+    assert executed.returncode == 0, executed.stdout + executed.stderr
+    return executed, nbformat.read(path, as_version=4).cells[0].outputs
+
+
 @pytest.mark.parametrize(("sum_output", "passes"), [("6\n", True), ("7\n", False)])
 def test_nbval_compares_outputs_under_notebook_settings(tmp_path, sum_output, passes):
     done = run_nbval(write_notebook(tmp_path / "probe.ipynb", sum_output))
@@ -60,19 +74,11 @@ def test_a_widget_progress_bar_in_the_kernel_survives_nbval(tmp_path):
     The bar runs long enough for its rate to differ between runs: only the text at
     creation (0%) is stored beside the widget reference, so nbval compares the cell.
     """
-    notebook = new_notebook(metadata={"kernelspec": {"name": "python3", "language": "python",
-                                                     "display_name": "Python 3"}})
-    notebook.cells.append(new_code_cell(
+    path = tmp_path / "bar.ipynb"
+    _, outputs = execute_one_cell(path, (
         "import time\nfrom tqdm.auto import tqdm\n"
         "for _ in tqdm(range(20), desc='work', unit='step'):\n    time.sleep(0.02)\n"
         "print('done')"))
-    path = tmp_path / "bar.ipynb"
-    nbformat.write(notebook, path)
-    executed = subprocess.run(["make", "--no-print-directory", "notebooks",
-                               f"NOTEBOOKS={path}"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=300)
-    assert executed.returncode == 0, executed.stdout + executed.stderr
-    outputs = nbformat.read(path, as_version=4).cells[0].outputs
     bar = outputs[0]["data"]
     assert "application/vnd.jupyter.widget-view+json" in bar  # a widget, not a text bar
     assert bar["text/plain"].startswith("work:   0%")
@@ -86,21 +92,12 @@ def test_a_rank_forked_from_the_kernel_shows_a_text_bar(tmp_path):
     """A widget drawn by a forked rank would never reach the page (its messages are
     dropped, and the kernel logs "attempted to send message from fork"). progress_bar
     draws text inside a rank, which the launcher relays with the rank's prefix."""
-    notebook = new_notebook(metadata={"kernelspec": {"name": "python3", "language": "python",
-                                                     "display_name": "Python 3"}})
-    notebook.cells.append(new_code_cell(
+    executed, outputs = execute_one_cell(tmp_path / "rank_bar.ipynb", (
         "from mgpu_helpers import launch\nfrom mgpu_helpers.progress import progress_bar\n\n"
         "def work():\n    for _ in progress_bar(range(3), desc='rank work', unit='step'):\n"
         "        pass\n\n"
         "launch(work, nprocs=1, start_method='fork')\nprint('done')"))
-    path = tmp_path / "rank_bar.ipynb"
-    nbformat.write(notebook, path)
-    executed = subprocess.run(["make", "--no-print-directory", "notebooks",
-                               f"NOTEBOOKS={path}"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=300)
-    assert executed.returncode == 0, executed.stdout + executed.stderr
     assert "send message from fork" not in executed.stderr
-    outputs = nbformat.read(path, as_version=4).cells[0].outputs
     assert all(output["output_type"] == "stream" for output in outputs), outputs
     text = "".join(output["text"] for output in outputs)
     assert "[rank 0] rank work: 100%" in text
