@@ -98,9 +98,13 @@ def test_processes_preparing_at_once_take_turns(tmp_path):
                                args=(tmp_path / "digits", start, results)) for _ in range(4)]
     for worker in workers:
         worker.start()
-    counts = [results.get(timeout=120) for _ in workers]
-    for worker in workers:
-        worker.join(timeout=30)
+    try:
+        counts = [results.get(timeout=120) for _ in workers]
+    finally:
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.is_alive():  # never leave a process behind, even on failure
+                worker.kill()
     assert counts == [1797] * 4
     assert not list(tmp_path.glob("digits.partial-*")), "staging folder left behind"
 

@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -72,8 +72,7 @@ def _tree_is_intact(root: Path, version: int) -> bool:
 
 @contextmanager
 def _exclusive(root: Path) -> Iterator[None]:
-    """Hold ``.<name>.lock`` beside ``root`` while preparing it (released on exit, also
-    when the process dies)."""
+    """Hold ``.<name>.lock`` beside ``root`` (released on exit, also when the process dies)."""
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(root.parent / f".{root.name}.lock", "a") as handle:
         if fcntl is not None:
@@ -81,13 +80,27 @@ def _exclusive(root: Path) -> Iterator[None]:
         yield
 
 
-def _publish(staging: Path, root: Path, version: int) -> None:
-    files = {str(p.relative_to(staging)): _sha256(p)
-             for p in sorted(staging.rglob("*")) if p.is_file()}
-    (staging / MANIFEST).write_text(json.dumps({"version": version, "files": files}, indent=1))
-    if root.exists():
-        shutil.rmtree(root)
-    os.replace(staging, root)
+def _build(root: Path, version: int, fill: Callable[[Path], None]) -> Path:
+    """Make ``root`` an intact tree of ``version``: if it is not one, ``fill`` an empty
+    staging folder, record a manifest and move it into place, holding the lock so that
+    concurrent callers build it once."""
+    if _tree_is_intact(root, version):
+        return root
+    with _exclusive(root):
+        if _tree_is_intact(root, version):  # another process built it while we waited
+            return root
+        staging = root.with_name(f"{root.name}.partial-{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        fill(staging)
+        files = {str(p.relative_to(staging)): _sha256(p)
+                 for p in sorted(staging.rglob("*")) if p.is_file()}
+        manifest = {"version": version, "files": files}
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        if root.exists():
+            shutil.rmtree(root)
+        os.replace(staging, root)
+    return root
 
 
 def digit_image(pixels: np.ndarray) -> Image.Image:
@@ -106,46 +119,32 @@ def prepare_digits(root: Path | None = None, progress: bool = True) -> Path:
     from sklearn.datasets import load_digits
 
     root = Path(root) if root is not None else data_dir() / "digits"
-    if _tree_is_intact(root, DIGITS_VERSION):
-        return root
-    with _exclusive(root):
-        if not _tree_is_intact(root, DIGITS_VERSION):  # another process may have built it
-            _write_digits(root, load_digits(), progress)
-    return root
 
+    def write_digits(staging: Path) -> None:
+        digits = load_digits()
+        seen_per_class: dict[int, int] = {}
+        for index in progress_bar(range(len(digits.target)), desc="Writing digits",
+                                  unit="img", disable=not progress):
+            label = int(digits.target[index])
+            position = seen_per_class.get(label, 0)
+            seen_per_class[label] = position + 1
+            split = "test" if position % TEST_EVERY == TEST_EVERY - 1 else "train"
+            folder = staging / split / str(label)
+            folder.mkdir(parents=True, exist_ok=True)
+            digit_image(digits.images[index]).save(folder / f"{index:04d}.png")
 
-def _write_digits(root: Path, digits, progress: bool) -> None:
-    staging = root.with_name(f"{root.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    seen_per_class: dict[int, int] = {}
-    for index in progress_bar(range(len(digits.target)), desc="Writing digits", unit="img",
-                              disable=not progress):
-        label = int(digits.target[index])
-        position = seen_per_class.get(label, 0)
-        seen_per_class[label] = position + 1
-        split = "test" if position % TEST_EVERY == TEST_EVERY - 1 else "train"
-        folder = staging / split / str(label)
-        folder.mkdir(parents=True, exist_ok=True)
-        digit_image(digits.images[index]).save(folder / f"{index:04d}.png")
-    _publish(staging, root, DIGITS_VERSION)
+    return _build(root, DIGITS_VERSION, write_digits)
 
 
 def prepare_photos(root: Path | None = None) -> Path:
     """Copy scikit-learn's two sample photographs (china.jpg, flower.jpg); return the folder."""
     from sklearn.datasets import load_sample_images
 
-    root = Path(root) if root is not None else data_dir() / "photos"
-    if _tree_is_intact(root, 1):
-        return root
-    with _exclusive(root):
-        if not _tree_is_intact(root, 1):
-            staging = root.with_name(f"{root.name}.partial-{os.getpid()}")
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-            for source in load_sample_images().filenames:
-                shutil.copyfile(source, staging / Path(source).name)
-            _publish(staging, root, 1)
-    return root
+    def copy_photos(staging: Path) -> None:
+        for source in load_sample_images().filenames:
+            shutil.copyfile(source, staging / Path(source).name)
+
+    return _build(Path(root) if root is not None else data_dir() / "photos", 1, copy_photos)
 
 
 def load_cifar10(train: bool = True, download: bool = False, root: Path | None = None,
