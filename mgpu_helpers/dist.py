@@ -13,6 +13,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from .env import backend_device_type
+
 
 def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -39,8 +41,10 @@ def is_main() -> bool:
 
 
 def device() -> torch.device:
-    """The device this rank computes on: ``cuda:<local_rank>`` with NCCL, else ``cpu``."""
-    if _initialized() and dist.get_backend() == "nccl":
+    """The device this rank computes on: ``cuda:<local_rank>`` when the group moves CUDA
+    tensors over NCCL (``launch``'s ``"auto"`` on a GPU node, or a group of your own
+    created with ``"nccl"``), else ``cpu`` (gloo ranks, or no group at all)."""
+    if _initialized() and backend_device_type(dist.get_backend()) == "cuda":
         return torch.device("cuda", local_rank())
     return torch.device("cpu")
 

@@ -13,6 +13,7 @@ import html
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -93,6 +94,25 @@ def probe_cuda(timeout: float = PROBE_TIMEOUT_S) -> CudaProbe:
         return CudaProbe(probe_error=f"the CUDA probe printed something unreadable ({exc})")
 
 
+#: What ``backend="auto"`` means on a machine with GPUs and NCCL: one process group with
+#: two backends, NCCL for CUDA tensors and gloo for CPU tensors. A GPU-capable cell then
+#: all-reduces its CUDA gradients over NCCL, and a small CPU tensor (a metric, a flag)
+#: still works, where a pure NCCL group would refuse it.
+GPU_BACKEND = "cpu:gloo,cuda:nccl"
+
+
+def auto_backend(gpu_count: int, nccl_available: bool) -> str:
+    """The backend ``launch(backend="auto")`` uses: NCCL (+ gloo for CPU tensors) with
+    GPUs and a PyTorch build that has NCCL, else gloo (ranks compute on the CPU)."""
+    return GPU_BACKEND if gpu_count > 0 and nccl_available else "gloo"
+
+
+def backend_device_type(backend: str) -> str:
+    """``"cuda"`` when a group created with ``backend`` moves CUDA tensors (NCCL), else
+    ``"cpu"``: the device a rank of such a group computes on."""
+    return "cuda" if "nccl" in str(backend) else "cpu"
+
+
 @dataclass(frozen=True)
 class DevicePlan:
     """How the workbook will run parallel ranks on this machine."""
@@ -104,14 +124,18 @@ class DevicePlan:
 
 
 def plan_for(gpu_count: int, nccl_available: bool, usable_cores: int) -> DevicePlan:
-    """The workbook's plan: one process per GPU over NCCL, else CPU ranks over gloo."""
-    if gpu_count > 0:
-        backend = "nccl" if nccl_available else "gloo"
+    """The plan of GPU-capable cells: one process per GPU (NCCL for CUDA tensors, gloo
+    for CPU tensors), else CPU ranks over gloo. CPU checks ignore it: they pin gloo."""
+    backend = auto_backend(gpu_count, nccl_available)
+    if gpu_count > 0 and backend != "gloo":
         noun = "GPU" if gpu_count == 1 else "GPUs"
-        summary = f"{gpu_count} {noun}, {backend}: one process per GPU"
-        if not nccl_available:
-            summary += " (this PyTorch build has no NCCL)"
+        summary = (f"{gpu_count} {noun}: one process per GPU, NCCL for CUDA tensors "
+                   "(gloo for CPU tensors)")
         return DevicePlan(gpu_count, backend, "cuda", summary)
+    if gpu_count > 0:
+        summary = (f"{gpu_count} GPU(s), but this PyTorch build has no NCCL: "
+                   f"{SIMULATED_RANKS} ranks compute on the CPU over gloo")
+        return DevicePlan(SIMULATED_RANKS, "gloo", "cpu", summary)
     summary = (f"no GPU: {SIMULATED_RANKS} ranks simulated as CPU processes over gloo "
                f"(one thread each, on {usable_cores} usable CPU core"
                f"{'' if usable_cores == 1 else 's'})")
@@ -233,7 +257,7 @@ def describe(probe: CudaProbe | None = None) -> EnvReport:
     visible = parse_cuda_visible_devices(from_env=True)
     nccl_built = dist.is_available() and dist.is_nccl_available()
     usable = _usable_cores()
-    problems = [p for p in (probe.probe_error,) if p]
+    problems = [p for p in (probe.probe_error, driver_problem(probe.cuda_error)) if p]
     if visible.problem:
         problems.append(f"{ENV_VAR}={visible.raw!r}: {visible.problem}")
     return EnvReport(
@@ -254,6 +278,23 @@ def describe(probe: CudaProbe | None = None) -> EnvReport:
         plan=plan_for(len(probe.gpus), nccl_built, usable),
         problems=tuple(problems),
     )
+
+
+def driver_problem(cuda_error: str | None, cuda_build: str | None = None) -> str | None:
+    """What to do when CUDA failed because the NVIDIA driver is older than this PyTorch
+    build needs ("The NVIDIA driver on your system is too old (found version 12020)")."""
+    if not cuda_error or "too old" not in cuda_error:
+        return None
+    cuda_build = cuda_build or torch.version.cuda
+    found = re.search(r"found version (\d+)", cuda_error)
+    supports = ""
+    if found:
+        major, minor = divmod(int(found.group(1)) // 10, 100)
+        supports = f" (it supports CUDA up to {major}.{minor})"
+    return (f"the NVIDIA driver is too old for this PyTorch build, made for CUDA {cuda_build}"
+            f"{supports}. Update the driver, or install a PyTorch build for the CUDA your "
+            "driver supports, e.g. pip install torch torchvision --index-url "
+            "https://download.pytorch.org/whl/cu126 (README: 'PyTorch wheels and drivers')")
 
 
 def count_gpus() -> int:

@@ -10,8 +10,11 @@ runs ``train()`` in each and returns rank 0's result. It is written for notebook
 * output of every rank reaches the cell line by line, prefixed ``[rank k]``;
 * a timeout or an interrupted cell kills and reaps every rank.
 
-Under ``torchrun`` (or inside a SLURM job step) the same call starts nothing: it joins
-the group described by the environment, runs the function once and returns its value.
+Under ``torchrun`` (or as a task of a multi-task ``srun`` step) the same call starts
+nothing: it joins the group described by the environment, runs the function once and
+returns its value. A notebook kernel inside a SLURM allocation is not such a task: it
+starts its own ranks (see ``cluster``). Code written for torchrun, which creates its
+group itself, runs unchanged (see ``group_reuse``).
 """
 
 from __future__ import annotations
@@ -35,15 +38,16 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from .env import count_gpus, cuda_driver_loaded
+from .cluster import ClusterEnvironmentError, ClusterRank, cluster_environment, elastic_store
+from .env import auto_backend, backend_device_type, count_gpus, cuda_driver_loaded
+from .group_reuse import reusing_launched_group
 
 DEFAULT_TIMEOUT_S = 60.0
 TERMINATE_GRACE_S = 2.0
 PORT_ATTEMPTS = 3
 STACK_DUMP_WAIT_S = 1.5
 INSIDE_RANK_VAR = "MGPU_LAUNCH_RANK"
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-_SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST")
+BACKENDS = ("auto", "gloo", "nccl", "cpu:gloo,cuda:nccl")
 
 
 class LaunchError(RuntimeError):
@@ -97,36 +101,46 @@ def _check_no_group_in_this_process() -> None:
         )
 
 
-def _resolve_backend(backend: str, gpus: int) -> str:
-    if backend not in ("auto", "gloo", "nccl"):
-        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+def resolve_backend(backend: str, gpus: int, nccl_available: bool | None = None) -> str:
+    """The process-group backend a launch with ``backend`` uses on a machine with
+    ``gpus`` visible GPUs: ``"auto"`` is NCCL for CUDA tensors plus gloo for CPU tensors
+    (``"cpu:gloo,cuda:nccl"``) with GPUs, else gloo; ``"gloo"`` is gloo everywhere."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, "
+                         f"got {backend!r}")
+    nccl_available = dist.is_nccl_available() if nccl_available is None else nccl_available
     if backend == "auto":
-        return "nccl" if gpus > 0 and dist.is_nccl_available() else "gloo"
-    if backend == "nccl":
-        if not dist.is_nccl_available():
-            raise LaunchError("backend='nccl' but this PyTorch build has no NCCL; use 'gloo'")
+        return auto_backend(gpus, nccl_available)
+    if backend_device_type(backend) == "cuda":
+        if not nccl_available:
+            raise LaunchError(f"backend={backend!r} but this PyTorch build has no NCCL; "
+                              "use 'gloo' or 'auto'")
         if gpus == 0:
             raise LaunchError(
-                "backend='nccl' needs GPUs and none is visible here (check "
-                "CUDA_VISIBLE_DEVICES and `python -m mgpu_helpers`); use backend='gloo' to "
-                "simulate ranks as CPU processes"
+                f"backend={backend!r} needs GPUs and none is visible here (check "
+                "CUDA_VISIBLE_DEVICES and `python -m mgpu_helpers`); use backend='auto' (CPU "
+                "ranks over gloo where there is no GPU) or backend='gloo'"
             )
     return backend
 
 
-def _resolve_nprocs(nprocs, backend: str, gpus: int) -> int:
+def resolve_nprocs(nprocs, backend: str, gpus: int) -> int:
+    """How many ranks: ``nprocs``, or one per GPU when it is None; GPU ranks need a GPU
+    each. ``backend`` is the resolved one (:func:`resolve_backend`)."""
     if nprocs is None:
-        if gpus == 0:
+        if gpus == 0 or backend_device_type(backend) != "cuda":
             raise ValueError(
-                "nprocs=None means one rank per GPU, and this machine has no GPU. Say how "
-                "many ranks to simulate as CPU processes, e.g. launch(fn, nprocs=2)."
+                "nprocs=None means one rank per GPU, and this launch has no GPU to count "
+                f"(backend {backend!r}, {gpus} GPU(s) visible). Say how many ranks to run "
+                "as CPU processes, e.g. launch(fn, nprocs=2)."
             )
         return gpus
     _check_positive_int("nprocs", nprocs)
-    if backend == "nccl" and nprocs > gpus:
+    if backend_device_type(backend) == "cuda" and nprocs > gpus:
         raise LaunchError(
-            f"nprocs={nprocs} NCCL ranks need {nprocs} GPUs, but {gpus} "
-            f"{'is' if gpus == 1 else 'are'} visible. Use nprocs<={gpus}, or backend='gloo'."
+            f"nprocs={nprocs} GPU ranks need {nprocs} GPUs, but {gpus} "
+            f"{'is' if gpus == 1 else 'are'} visible. Use nprocs<={gpus} (the plan of "
+            "mgpu_helpers.describe() gives one rank per GPU), or backend='gloo' for CPU ranks."
         )
     return nprocs
 
@@ -200,16 +214,38 @@ class _GroupSpec:
     cpu_threads: int
 
 
-def _to_cpu(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return type(value)((k, _to_cpu(v)) for k, v in value.items())
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_to_cpu(v) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
+def _as_is(value):
+    """Rebuilds a value that was converted while pickling (see :class:`_HostPickler`)."""
     return value
+
+
+def _as_parameter(data: torch.Tensor, requires_grad: bool) -> torch.nn.Parameter:
+    return torch.nn.Parameter(data, requires_grad=requires_grad)
+
+
+class _HostPickler(pickle.Pickler):
+    """Pickles a rank's return value with every tensor on the CPU and detached, wherever
+    it sits: in a dict, a dataclass, a module's parameters, any object.
+
+    A CUDA tensor pickled as it is would be rebuilt on the GPU in the launching process,
+    initialising CUDA there: in a notebook, every later ``launch`` would then have to
+    spawn instead of fork. Parameters stay parameters (a returned module still works).
+    """
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.nn.Parameter):
+            if obj.device.type == "cpu":
+                return NotImplemented
+            return _as_parameter, (obj.detach().cpu(), obj.requires_grad)
+        if isinstance(obj, torch.Tensor) and (obj.device.type != "cpu" or obj.requires_grad):
+            return _as_is, (obj.detach().cpu(),)
+        return NotImplemented
+
+
+def _dumps_for_host(value) -> bytes:
+    buffer = io.BytesIO()
+    _HostPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return buffer.getvalue()
 
 
 def _text_stream(fd: int) -> io.TextIOWrapper:
@@ -239,7 +275,7 @@ def _rank_environment(rank: int, spec: _GroupSpec) -> dict[str, str]:
         "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(spec.world_size),
         INSIDE_RANK_VAR: str(rank),
     }
-    if spec.backend == "gloo":
+    if backend_device_type(spec.backend) == "cpu":
         env["OMP_NUM_THREADS"] = str(spec.cpu_threads)  # for subprocesses the rank starts
     loopback = _loopback_interface()
     on_loopback = spec.master_addr in ("127.0.0.1", "localhost", "::1")
@@ -250,7 +286,7 @@ def _rank_environment(rank: int, spec: _GroupSpec) -> dict[str, str]:
 
 def _join_group(rank: int, spec: _GroupSpec, listener: socket.socket | None) -> None:
     timeout = datetime.timedelta(seconds=spec.timeout_s)
-    if spec.backend == "nccl":
+    if backend_device_type(spec.backend) == "cuda":
         if torch.cuda._is_in_bad_fork():
             raise RuntimeError(
                 "this rank was forked from a process that had initialised CUDA, so it "
@@ -292,7 +328,7 @@ def _rank_main(rank, spec, work, listener, result_conn, stdout_conn, stderr_conn
     if listener is not None and rank != 0:
         listener.close()
     os.environ.update(_rank_environment(rank, spec))
-    if spec.backend == "gloo":
+    if backend_device_type(spec.backend) == "cpu":
         torch.set_num_threads(spec.cpu_threads)
     phase = "unpickle"
     try:
@@ -300,9 +336,10 @@ def _rank_main(rank, spec, work, listener, result_conn, stdout_conn, stderr_conn
         phase = "rendezvous"
         _join_group(rank, spec, listener)
         phase = "run"
-        value = fn(*args, **kwargs)
+        with reusing_launched_group(fn, spec.backend, spec.world_size, rank):
+            value = fn(*args, **kwargs)
         phase = "return"
-        payload = pickle.dumps(_to_cpu(value), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = _dumps_for_host(value)
     except BaseException as exc:  # reported to the launcher, which re-raises it there
         report = _report_exception(exc, rank, phase)
         result_conn.send_bytes(pickle.dumps(("error", report)))
@@ -614,79 +651,34 @@ def _run_ranks(ctx, nprocs, spec_args: dict, work, listener, join_timeout, retur
 # ------------------------------------------------------------ torchrun and SLURM
 
 
-def _first_slurm_host(nodelist: str) -> str:
-    """First host of a SLURM node list such as 'gpu[03-05,09],cpu1' (gives 'gpu03')."""
-    prefix, bracket, ranges = nodelist.strip().partition("[")
-    if "," in prefix or not bracket:  # the first host has no bracketed range
-        return prefix.split(",")[0]
-    return prefix + ranges.split("]")[0].split(",")[0].split("-")[0]
+def _torchrun_variables(cluster: ClusterRank) -> dict[str, str]:
+    """The variables torchrun sets, derived from an srun task's, so that code reading
+    RANK or LOCAL_RANK (and ``mh.local_rank()``) works under srun as under torchrun."""
+    host, _, port = cluster.init_method.removeprefix("tcp://").rpartition(":")
+    return {"RANK": str(cluster.rank), "WORLD_SIZE": str(cluster.world_size),
+            "LOCAL_RANK": str(cluster.local_rank), "MASTER_ADDR": host, "MASTER_PORT": port}
 
 
-def _cluster_environment() -> dict | None:
-    """Rank facts from torchrun's or SLURM's variables; None when neither started us."""
-    present = [v for v in _TORCHRUN_VARS if v in os.environ]
-    if present:
-        missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
-        if missing:
-            raise LaunchError(
-                f"{', '.join(present)} set but {', '.join(missing)} missing: set all of "
-                f"{', '.join(_TORCHRUN_VARS)} (torchrun does), or none to let launch() start "
-                "the ranks itself"
-            )
-        return {"rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"]),
-                "local_rank": int(os.environ["LOCAL_RANK"]), "init_method": "env://"}
-    if "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-        nodelist = os.environ.get("SLURM_JOB_NODELIST", os.environ.get("SLURM_NODELIST"))
-        missing = [v for v in _SLURM_VARS if v not in os.environ
-                   and not (v == "SLURM_JOB_NODELIST" and nodelist)]
-        if missing:
-            raise LaunchError(
-                f"inside a SLURM step with several tasks, but {', '.join(missing)} "
-                "missing; run the script with srun, or with torchrun"
-            )
-        job_port = 20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000
-        port = int(os.environ.get("MASTER_PORT", job_port))
-        addr = os.environ.get("MASTER_ADDR", _first_slurm_host(nodelist))
-        return {"rank": int(os.environ["SLURM_PROCID"]),
-                "world_size": int(os.environ["SLURM_NTASKS"]),
-                "local_rank": int(os.environ["SLURM_LOCALID"]),
-                "init_method": f"tcp://{addr}:{port}"}
-    return None
-
-
-def _elastic_store(cluster: dict, timeout: datetime.timedelta) -> dist.Store:
-    """The rendezvous store under torchrun, with keys kept apart per restart attempt.
-
-    torchrun's agent may serve one store for the whole job. After a restart
-    (``--max-restarts``), keys written by the previous attempt's workers (their gloo
-    addresses) are still there, and a new worker can read a dead worker's address before
-    its replacement overwrites it ("Connection refused" in connectFullMesh). A prefix per
-    attempt makes every attempt start from an empty namespace.
-    """
-    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          cluster["world_size"], not agent_hosts and cluster["rank"] == 0,
-                          timeout=timeout)
-    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-    return dist.PrefixStore(f"/mgpu_helpers/attempt_{attempt}", store)
-
-
-def _run_in_this_process(fn, args, kwargs, cluster: dict, backend: str, timeout: float):
-    os.environ.setdefault("LOCAL_RANK", str(cluster["local_rank"]))
-    backend = _resolve_backend(backend, count_gpus())
-    if backend == "nccl":
-        torch.cuda.set_device(cluster["local_rank"])
+def _run_in_this_process(fn, args, kwargs, cluster: ClusterRank, backend: str,
+                         timeout: float):
+    if cluster.launcher == "srun":
+        for name, value in _torchrun_variables(cluster).items():
+            os.environ.setdefault(name, value)
+    backend = resolve_backend(backend, count_gpus())
+    if backend_device_type(backend) == "cuda":
+        torch.cuda.set_device(cluster.local_rank)
     group_timeout = datetime.timedelta(seconds=timeout)
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:
-        dist.init_process_group(backend, store=_elastic_store(cluster, group_timeout),
-                                rank=cluster["rank"], world_size=cluster["world_size"],
+        dist.init_process_group(backend, store=elastic_store(cluster, group_timeout),
+                                rank=cluster.rank, world_size=cluster.world_size,
                                 timeout=group_timeout)
     else:
-        dist.init_process_group(backend, init_method=cluster["init_method"],
-                                rank=cluster["rank"], world_size=cluster["world_size"],
+        dist.init_process_group(backend, init_method=cluster.init_method,
+                                rank=cluster.rank, world_size=cluster.world_size,
                                 timeout=group_timeout)
     try:
-        value = fn(*args, **kwargs)
+        with reusing_launched_group(fn, backend, cluster.world_size, cluster.rank):
+            value = fn(*args, **kwargs)
     except BaseException:
         _finish_group(clean=False)
         raise
@@ -709,7 +701,10 @@ def launch(fn, *args, nprocs: int | None = None, backend: str = "auto",
             ``mgpu_helpers.rank()``, ``world_size()``, ``device()``... tell where it runs;
             the process group is ready before it starts and destroyed after it returns.
         nprocs: number of ranks; None means one per visible GPU (required without GPUs).
-        backend: "auto" (nccl with GPUs, else gloo), "nccl" or "gloo".
+        backend: "auto": with GPUs, one per rank and a group that moves CUDA tensors
+            over NCCL and CPU tensors over gloo ("cpu:gloo,cuda:nccl"); without GPUs,
+            CPU ranks over gloo. "gloo": CPU ranks on every machine, for checks that
+            must behave identically everywhere. "nccl": NCCL only (CUDA tensors only).
         start_method: "auto" (fork on Linux when CUDA is untouched, else spawn), "fork",
             "spawn" or "forkserver". Under spawn, fn and its arguments travel with
             cloudpickle, so notebook functions work there too.
@@ -723,7 +718,8 @@ def launch(fn, *args, nprocs: int | None = None, backend: str = "auto",
 
     Returns:
         Rank 0's return value (a list of all ranks' values with ``return_all=True``),
-        with tensors moved to the CPU. Under torchrun or SLURM: this process's value.
+        with every tensor in it moved to the CPU and detached (also inside dataclasses,
+        modules and other objects). Under torchrun or an srun step: this process's value.
 
     Raises:
         LaunchError: a rank failed (the message starts with "rank k failed: ...") or the
@@ -736,13 +732,16 @@ def launch(fn, *args, nprocs: int | None = None, backend: str = "auto",
     _check_seconds("join_timeout", join_timeout, allow_none=True)
     _check_positive_int("cpu_threads", cpu_threads)
     _check_port(master_port)
-    cluster = _cluster_environment()
+    try:
+        cluster = cluster_environment()
+    except ClusterEnvironmentError as exc:
+        raise LaunchError(str(exc)) from None
     if cluster is not None:
         return _run_in_this_process(fn, args, kwargs, cluster, backend, timeout)
 
     gpus = count_gpus()
-    backend = _resolve_backend(backend, gpus)
-    nprocs = _resolve_nprocs(nprocs, backend, gpus)
+    backend = resolve_backend(backend, gpus)
+    nprocs = resolve_nprocs(nprocs, backend, gpus)
     method = _resolve_start_method(start_method)
     ctx = mp.get_context(method)
     if method == "fork":

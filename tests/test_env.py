@@ -45,8 +45,10 @@ def test_cpu_machine_plans_simulated_ranks_over_gloo():
 def test_four_simulated_gpus_plan_nccl(nccl_built):
     report = describe(simulated_gpus(4))
     assert report.cuda_available
-    assert report.plan.summary == "4 GPUs, nccl: one process per GPU"
-    assert (report.plan.nprocs, report.plan.backend, report.plan.device_type) == (4, "nccl", "cuda")
+    assert report.plan.summary == ("4 GPUs: one process per GPU, NCCL for CUDA tensors (gloo "
+                                   "for CPU tensors)")
+    assert (report.plan.nprocs, report.plan.backend, report.plan.device_type) == (
+        4, "cpu:gloo,cuda:nccl", "cuda")
     text = str(report)
     for index in range(4):
         row = rf"cuda:{index}\s+NVIDIA H100 80GB HBM3, 79\.2 GiB, compute capability 9\.0"
@@ -57,13 +59,22 @@ def test_four_simulated_gpus_plan_nccl(nccl_built):
 
 
 def test_one_gpu_is_singular(nccl_built):
-    assert describe(simulated_gpus(1)).plan.summary == "1 GPU, nccl: one process per GPU"
+    assert describe(simulated_gpus(1)).plan.summary.startswith("1 GPU: one process per GPU")
 
 
 def test_gpus_without_nccl_fall_back_to_gloo():
     plan = plan_for(gpu_count=2, nccl_available=False, usable_cores=8)
-    assert plan.backend == "gloo"
+    assert (plan.backend, plan.device_type) == ("gloo", "cpu")
     assert "has no NCCL" in plan.summary
+
+
+def test_a_driver_too_old_for_the_build_is_a_problem_with_the_fix():
+    probe = CudaProbe(cuda_error="The NVIDIA driver on your system is too old (found version "
+                                 "12020).", cudnn_version=90100, nccl_version="2.21.5")
+    problems = " ".join(describe(probe).problems)
+    assert "driver is too old" in problems and "supports CUDA up to 12.2" in problems
+    assert "--index-url https://download.pytorch.org/whl/cu126" in problems
+    assert describe(NO_DRIVER).problems == ()
 
 
 def test_html_rendering_is_a_table_and_escapes(nccl_built):
@@ -169,4 +180,4 @@ def test_doctor_json_is_machine_readable():
                           capture_output=True, text=True, check=True)
     report = json.loads(done.stdout)
     assert report["torch"] == torch.__version__
-    assert report["plan"]["backend"] in ("gloo", "nccl")
+    assert report["plan"]["backend"] in ("gloo", "cpu:gloo,cuda:nccl")

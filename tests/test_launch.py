@@ -8,13 +8,16 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from slurm_env import srun_task
 
 import mgpu_helpers as mh
+from mgpu_helpers.cluster import first_slurm_host
 from mgpu_helpers.launch import LaunchError, launch
 
 # The package exports the function `launch`, which hides the module of the same name.
@@ -78,6 +81,32 @@ def test_tensors_come_back_on_cpu_detached():
     value = launch(reduce_and_return, "tensor", nprocs=2)
     assert value.device.type == "cpu" and not value.requires_grad
     assert value.tolist() == [3.0, 3.0]
+
+
+@dataclass
+class Trained:
+    model: torch.nn.Module
+    losses: list
+    gradients: dict
+
+
+def return_a_trained_module():
+    model = torch.nn.Linear(3, 2)
+    loss = model(torch.ones(1, 3)).square().sum()  # a non-leaf tensor that requires grad
+    loss.backward()
+    return Trained(model, [loss], {"weight": model.weight.grad})
+
+
+def test_tensors_inside_dataclasses_and_modules_come_back_detached():
+    # Before, only dicts, lists and tuples were walked: a loss inside a dataclass could not
+    # be pickled, and a CUDA module would have come back on the GPU (initialising CUDA in
+    # the notebook, so that later launches had to spawn).
+    trained = launch(return_a_trained_module, nprocs=1, backend="gloo")
+    assert isinstance(trained.model.weight, torch.nn.Parameter)
+    assert trained.model.weight.requires_grad and trained.model.weight.device.type == "cpu"
+    assert not trained.losses[0].requires_grad
+    gradient = trained.gradients["weight"]
+    assert gradient.shape == (2, 3) and gradient.device.type == "cpu"
 
 
 def test_50_mb_return_values_do_not_deadlock():
@@ -299,11 +328,9 @@ def test_two_torchrun_nodes_on_localhost():
 
 def test_simulated_slurm_step_derives_ranks_from_slurm_variables():
     port = str(free_port())
-    base = {"SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": port,
-            "SLURM_JOB_ID": "1234"}
     tasks = [subprocess.Popen(
         [sys.executable, str(SCRIPTS / "cluster.py")],
-        env={**os.environ, **base, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task)},
+        env={**os.environ, **srun_task(task, tasks=2), "MASTER_PORT": port},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for task in range(2)]
     outputs = [task.communicate(timeout=120) for task in tasks]
     for task, (out, err) in zip(tasks, outputs, strict=True):
@@ -323,7 +350,9 @@ def test_partial_torchrun_variables_are_listed(monkeypatch):
 def test_partial_slurm_variables_are_listed(monkeypatch):
     monkeypatch.setenv("SLURM_PROCID", "0")
     monkeypatch.setenv("SLURM_NTASKS", "2")
-    for name in ("SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    for name in ("SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_NODELIST",
+                 "SLURM_STEP_NODELIST", "SLURM_STEP_NUM_TASKS"):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(LaunchError, match="SLURM_LOCALID, SLURM_JOB_NODELIST missing"):
         launch(mh.rank, nprocs=2)
@@ -333,7 +362,7 @@ def test_partial_slurm_variables_are_listed(monkeypatch):
     ("node7", "node7"), ("gpu[03-05,09]", "gpu03"), ("a1,b2", "a1"), ("x[1,4],y", "x1"),
     ("a1,b[2-3]", "a1")])
 def test_first_slurm_host(nodelist, first):
-    assert launch_module._first_slurm_host(nodelist) == first
+    assert first_slurm_host(nodelist) == first
 
 
 # ---------------------------------------------------------------------- bad input
@@ -347,7 +376,7 @@ def test_bad_nprocs(nprocs):
 
 def test_nprocs_required_without_gpus(monkeypatch):
     monkeypatch.setattr(launch_module, "count_gpus", lambda: 0)
-    with pytest.raises(ValueError, match=r"no GPU\. Say how many ranks .* nprocs=2"):
+    with pytest.raises(ValueError, match=r"no GPU to count .* Say how many ranks .* nprocs=2"):
         launch(mh.rank)
 
 
@@ -357,7 +386,7 @@ def test_called_function_instead_of_function():
 
 
 def test_unknown_backend():
-    with pytest.raises(ValueError, match="backend must be 'auto', 'gloo' or 'nccl'"):
+    with pytest.raises(ValueError, match="backend must be one of 'auto', 'gloo', 'nccl'"):
         launch(mh.rank, nprocs=2, backend="mpi")
 
 
@@ -371,7 +400,7 @@ def test_nccl_without_gpus(monkeypatch):
 def test_nccl_with_more_ranks_than_gpus(monkeypatch):
     monkeypatch.setattr(launch_module, "count_gpus", lambda: 1)
     monkeypatch.setattr(launch_module.dist, "is_nccl_available", lambda: True)
-    with pytest.raises(LaunchError, match="nprocs=2 NCCL ranks need 2 GPUs, but 1 is visible"):
+    with pytest.raises(LaunchError, match="nprocs=2 GPU ranks need 2 GPUs, but 1 is visible"):
         launch(mh.rank, nprocs=2, backend="nccl")
 
 

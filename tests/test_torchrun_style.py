@@ -1,0 +1,134 @@
+"""Code written for torchrun runs unchanged under launch().
+
+Such code creates its process group itself and reads RANK, LOCAL_RANK and WORLD_SIZE, as
+PyTorch's DDP tutorial does. Before, launch() had already created the group and the
+function's own init_process_group raised "trying to initialize the default process
+group twice!".
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_cluster import run_cells
+from torch.distributed import destroy_process_group, init_process_group
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from mgpu_helpers import LaunchError, launch
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                      "MASTER_PORT")
+
+
+def torchrun_style_training(steps: int = 3):
+    """As in PyTorch's DDP tutorial (multigpu_torchrun.py), on CPU ranks."""
+    dist.init_process_group(backend="gloo")
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    torch.manual_seed(rank)  # different initial weights: DDP must broadcast rank 0's
+    model = DDP(torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        inputs = torch.full((8, 4), float(rank + step))
+        optimizer.zero_grad()
+        model(inputs).square().mean().backward()
+        optimizer.step()
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    dist.destroy_process_group()
+    return {"rank": rank, "local_rank": local_rank, "world": world, "weights": weights,
+            "environment": sorted(v for v in TORCHRUN_VARIABLES if v in os.environ)}
+
+
+def test_torchrun_style_function_runs_unchanged_and_replicas_agree():
+    results = launch(torchrun_style_training, nprocs=2, return_all=True, backend="gloo")
+    assert [(r["rank"], r["local_rank"], r["world"]) for r in results] == [(0, 0, 2), (1, 1, 2)]
+    assert all(r["environment"] == sorted(TORCHRUN_VARIABLES) for r in results)
+    assert torch.equal(results[0]["weights"], results[1]["weights"])
+
+
+def imported_by_name():
+    # `from torch.distributed import init_process_group` at the top of a module or cell
+    init_process_group("gloo", rank=int(os.environ["RANK"]),
+                       world_size=int(os.environ["WORLD_SIZE"]))
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    destroy_process_group()
+    return value.item()
+
+
+def test_init_process_group_imported_by_name_is_reused_too():
+    assert launch(imported_by_name, nprocs=2, backend="gloo") == 2.0
+
+
+def init_with(arguments: dict):
+    dist.init_process_group(**arguments)
+    return "joined"
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    ({"backend": "gloo", "world_size": 4}, "world_size=4, but launch started 2 ranks"),
+    ({"backend": "nccl"}, "backend='nccl', but launch made a gloo group"),
+    ({"backend": "mpi"}, "backend='mpi', but launch made a gloo group"),
+])
+def test_a_contradicting_init_is_an_error_that_says_so(arguments, message):
+    with pytest.raises(LaunchError, match="contradicts the launch") as raised:
+        launch(init_with, arguments, nprocs=2, backend="gloo")
+    assert message in str(raised.value)
+
+
+def test_a_rank_argument_that_is_not_this_rank_is_an_error():
+    with pytest.raises(LaunchError, match="rank=0, but this is rank 1"):
+        launch(init_with, {"backend": "gloo", "rank": 0, "world_size": 2}, nprocs=2,
+               backend="gloo")
+
+
+def test_code_that_uses_the_launched_group_still_works():
+    def launch_style():
+        value = torch.ones(1)
+        dist.all_reduce(value)
+        return value.item()
+
+    assert launch(launch_style, nprocs=2, backend="gloo") == 2.0
+
+
+def test_init_process_group_is_put_back_after_the_run():
+    launch(torchrun_style_training, 1, nprocs=2, backend="gloo")
+    assert dist.init_process_group is dist.distributed_c10d.init_process_group
+    assert not getattr(dist.init_process_group, "reuses_launched_group", False)
+    assert init_process_group is dist.init_process_group
+
+
+TORCHRUN_CELL = '''
+import os
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import mgpu_helpers as mh
+
+
+def main():
+    # written for torchrun: its own group, its rank from the environment
+    dist.init_process_group("gloo")
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(rank)
+    model = DDP(torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        optimizer.zero_grad()
+        model(torch.full((8, 4), float(rank + step))).square().mean().backward()
+        optimizer.step()
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    dist.destroy_process_group()
+    return weights
+
+
+first, second = mh.launch(main, nprocs=2, backend="gloo", return_all=True, join_timeout=120)
+print("replicas agree:", torch.equal(first, second))
+'''
+
+
+def test_torchrun_style_function_defined_in_a_notebook_cell(tmp_path):
+    assert run_cells(tmp_path, TORCHRUN_CELL)[0].strip() == "replicas agree: True"
