@@ -1,7 +1,7 @@
 """Chapter 07's ablation, headless: training throughput of the tuned DDP configuration
 and of one variant per optimisation switched off, all in one run.
 
-Optimisations: DataLoader workers, pinned memory, bf16 mixed precision, channels_last,
+Optimisations: DataLoader workers, pinned memory, mixed precision, channels_last,
 one big DDP bucket, gradient_as_bucket_view, static_graph, gradient accumulation x4
 (`mgpu_helpers.ablation`). 2 DDP ranks, batch 32 per rank; the variants take turns for
 several rounds and the median is reported, relative to the tuned configuration.

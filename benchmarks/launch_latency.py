@@ -72,11 +72,11 @@ def free_port() -> int:
 
 
 def run_ours_fork() -> None:
-    launch(barrier_once, nprocs=2, start_method="fork")
+    launch(barrier_once, nprocs=2, backend="gloo", start_method="fork")  # gloo, as the others
 
 
 def run_ours_spawn() -> None:
-    launch(barrier_once, nprocs=2, start_method="spawn")
+    launch(barrier_once, nprocs=2, backend="gloo", start_method="spawn")  # gloo, as the others
 
 
 def run_start_processes() -> None:

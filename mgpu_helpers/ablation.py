@@ -2,7 +2,7 @@
 
 The tuned configuration switches every optimisation on; each variant switches exactly
 one off. Every run is :func:`mgpu_helpers.throughput.timed_epoch` (chapter 04's DDP
-pipeline) on 2 ranks.
+pipeline) on the ranks `measure` is given (2 CPU ranks by default).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from .launch import launch
 from .throughput import TrainingOptions, timed_epoch
 
 # The tuned configuration: every optimisation on.
-TUNED = TrainingOptions(workers=1, pin_memory=True, amp="bfloat16", channels_last=True,
+TUNED = TrainingOptions(workers=1, pin_memory=True, amp="auto", channels_last=True,
                         bucket_cap_mb=100, gradient_as_bucket_view=True, static_graph=True,
                         accumulate=4)
 
@@ -25,9 +25,10 @@ SWITCHED_OFF = {
     "pinned memory": ({"pin_memory": False},
                       "only with a GPU: pinning speeds up host-to-GPU copies; without one "
                       "there is no copy, and PyTorch ignores it"),
-    "mixed precision (bf16)": ({"amp": None},
-                               "pays on GPUs with tensor cores; on CPUs without native bf16 "
-                               "instructions the conversions cost more than they save"),
+    "mixed precision": ({"amp": None},
+                        "pays on GPUs with tensor cores (bf16, or fp16 with a scaler on "
+                        "older GPUs); on CPUs without native bf16 instructions the "
+                        "conversions cost more than they save"),
     "channels_last": ({"channels_last": False},
                       "pays mostly on GPUs (tensor cores want NHWC); on CPUs it depends on "
                       "the convolution kernels"),

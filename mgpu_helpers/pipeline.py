@@ -457,8 +457,10 @@ def measure_gpipe(micro_batch_counts: Sequence[int] = (1, 2, 4, 8, 16), stages: 
     model = pipeline_convnet(**model_kwargs)
     costs = layer_costs(model, example_batch(model_kwargs, 2)[0], repeats=1)
     cuts = balanced_cuts([cost.flops for cost in costs], stages)  # equal FLOPs per stage
+    # CPU ranks on every machine: the stages, their tensors and the timings are the CPU
+    # pipeline this measurement explains (a GPU pipeline would send through NCCL).
     per_rank = launch(_timed_steps, model_kwargs, cuts, batch_size, counts, steps, overlap,
-                      nprocs=stages, return_all=True)
+                      nprocs=stages, backend="gloo", return_all=True)
     result: dict = {"settings": {"stages": stages, "batch_size": batch_size, **model_kwargs,
                                  "steps": steps, "cuts": cuts, "overlap": overlap}}
     for m in counts:

@@ -9,10 +9,20 @@ is one, evaluate on the test split. The notebook launches it with ``launch``;
 Every epoch's data order and augmentation are seeded from (seed, epoch, rank) alone, not
 from what ran before, so a run resumed from its epoch-``k`` checkpoint continues exactly
 as the uninterrupted run did: the final weights are bitwise equal on CPU.
+
+**The same run on 1 or 8 GPUs.** The settings fix the *global* batch (samples per
+optimizer step, over all ranks), not the batch per rank: with N ranks each rank takes
+``global_batch / N`` samples, so the optimisation is the same whatever the number of
+GPUs (chapter 04 proves that N ranks with batch b equal one process with batch Nb).
+Where N does not divide the global batch, or a run asks for another global batch, the
+learning rate follows the batch by the **square-root scaling rule** for Adam (Malladi et
+al., 2022; SGD would scale linearly, Goyal et al., 2017), reached by a warm-up from the
+reference rate over the first epoch.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -26,21 +36,26 @@ from torchvision.transforms import v2
 
 from .data import ImageDataset, loader_generator, prepare_digits, seed_worker
 from .dist import device as rank_device
-from .dist import is_main, print0, rank
+from .dist import is_main, print0, rank, world_size
 from .models import SeedCNN
+from .precision import AMP_CHOICES, amp_dtype
 from .train import evaluate, load_checkpoint, save_checkpoint, train_one_epoch
 
 TO_TENSOR = [v2.ToImage(), v2.ToDtype(torch.float32, scale=True)]
 AUGMENT = v2.Compose([v2.RandomAffine(degrees=10, translate=(0.1, 0.1), scale=(0.9, 1.1)),
                       v2.ColorJitter(brightness=0.3, contrast=0.3), *TO_TENSOR])
-AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+#: The global batch the learning rate ``DigitsRun.lr`` is tuned for.
+REFERENCE_BATCH = 64
 
 
 @dataclass
 class DigitsRun:
     """Settings of one training run (the script's command-line options).
 
-    ``batch_size`` is per rank: the global batch is ``batch_size x ranks x accumulate``.
+    ``global_batch`` is the number of samples per optimizer step over all ranks (and
+    accumulated micro-batches): each rank's micro-batch is ``global_batch / (ranks x
+    accumulate)``, rounded (see :func:`batch_plan`). ``lr`` is Adam's learning rate for
+    a global batch of ``REFERENCE_BATCH``; it decays along a cosine to 0 at the end.
     ``stop_after`` ends the run after that many epochs (as if it had been interrupted);
     running again with the same checkpoint resumes. ``die_at_epoch``/``die_rank`` kill
     one rank with SIGKILL at the start of that epoch, on the first attempt only: the
@@ -48,8 +63,8 @@ class DigitsRun:
     """
 
     epochs: int = 4
-    batch_size: int = 32
-    lr: float = 0.02
+    global_batch: int = REFERENCE_BATCH
+    lr: float = 1e-3
     seed: int = 0
     checkpoint: Path | None = None
     stop_after: int | None = None
@@ -64,7 +79,7 @@ class DigitsRun:
     die_rank: int = 1
 
     def __post_init__(self):
-        for name in ("epochs", "batch_size", "accumulate"):
+        for name in ("epochs", "global_batch", "accumulate"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got "
                                  f"{getattr(self, name)!r}")
@@ -76,11 +91,37 @@ class DigitsRun:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if self.workers < 0:
             raise ValueError(f"workers must be >= 0, got {self.workers}")
-        if self.amp is not None and self.amp not in AMP_DTYPES:
-            raise ValueError(f"amp must be None or one of {sorted(AMP_DTYPES)}, "
+        if self.amp is not None and self.amp not in AMP_CHOICES:
+            raise ValueError(f"amp must be None or one of {', '.join(AMP_CHOICES)}, "
                              f"got {self.amp!r}")
         if self.checkpoint is not None:
             self.checkpoint = Path(self.checkpoint)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a run's global batch is split, and the learning rate that goes with it."""
+
+    per_rank: int       # samples per micro-batch on each rank
+    global_batch: int   # what is actually summed per optimizer step (per_rank x ranks x acc.)
+    lr: float           # the peak learning rate, scaled from run.lr for this global batch
+
+
+def batch_plan(run: DigitsRun, ranks: int) -> BatchPlan:
+    """Each rank's micro-batch for ``ranks`` ranks, and the learning rate scaled by the
+    square-root rule for the global batch that results: with 1, 2, 4 or 8 ranks the global
+    batch is exactly ``run.global_batch``; with 3 ranks it is 3 x 21 = 63, and the rate is
+    ``lr x sqrt(63 / 64)``."""
+    per_rank = max(1, round(run.global_batch / (ranks * run.accumulate)))
+    actual = per_rank * ranks * run.accumulate
+    return BatchPlan(per_rank, actual, run.lr * math.sqrt(actual / REFERENCE_BATCH))
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, start: float) -> float:
+    """The learning rate at optimizer step ``step``, as a fraction of the peak: a linear
+    warm-up from ``start`` to 1 over ``warmup_steps``, times a cosine decay to 0."""
+    ramp = start + (1 - start) * min(1.0, step / warmup_steps) if warmup_steps else 1.0
+    return ramp * 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps))
 
 
 def spread_subset(dataset, size: int, seed: int = 0) -> Subset:
@@ -114,21 +155,30 @@ def train_digits(run: DigitsRun) -> dict:
     train_set, test_set = digits_datasets(run)
     sampler = DistributedSampler(train_set, shuffle=True, seed=run.seed)
     device = rank_device()
+    batches = batch_plan(run, world_size())
 
     torch.manual_seed(run.seed)  # the same initial weights on every rank (DDP checks)
     model = SeedCNN().to(device)
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=run.lr, momentum=0.9)
-    amp_dtype = AMP_DTYPES.get(run.amp)
-    scaler = (torch.amp.GradScaler(device.type) if amp_dtype == torch.float16 else None)
+    optimizer = torch.optim.Adam(ddp_model.parameters(), lr=batches.lr)
+    steps_per_epoch = math.ceil(math.ceil(len(sampler) / batches.per_rank) / run.accumulate)
+    warmup = steps_per_epoch if batches.lr != run.lr else 0  # from run.lr to the scaled rate
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
+        step, run.epochs * steps_per_epoch, warmup, run.lr / batches.lr))
+    low_precision = amp_dtype(run.amp, device)
+    scaler = (torch.amp.GradScaler(device.type) if low_precision == torch.float16 else None)
 
     start_epoch = 0
     if run.checkpoint is not None and run.checkpoint.exists():
         state = load_checkpoint(run.checkpoint, ddp_model, optimizer, restore_rng=False)
         start_epoch = state["epoch"]
+        scheduler.load_state_dict(state["extra"]["scheduler"])
         if scaler is not None and "scaler" in state["extra"]:
             scaler.load_state_dict(state["extra"]["scaler"])
         print0(f"resuming from {run.checkpoint} at epoch {start_epoch}")
+    print0(f"global batch {batches.global_batch} = {world_size()} rank(s) x "
+           f"{batches.per_rank}" + (f" x {run.accumulate} accumulated" if run.accumulate > 1
+                                    else "") + f"; peak learning rate {batches.lr:.2g}")
 
     last_epoch = run.epochs if run.stop_after is None else min(run.epochs, run.stop_after)
     history = []
@@ -138,18 +188,21 @@ def train_digits(run: DigitsRun) -> dict:
             os.kill(os.getpid(), signal.SIGKILL)  # test hook: a rank killed mid-training
         torch.manual_seed(run.seed + 1000 * epoch + rank())  # this epoch's augmentation
         sampler.set_epoch(epoch)  # without it every epoch repeats the same order
-        loader = DataLoader(train_set, batch_size=run.batch_size, sampler=sampler,
+        loader = DataLoader(train_set, batch_size=batches.per_rank, sampler=sampler,
                             num_workers=run.workers, worker_init_fn=seed_worker,
                             generator=loader_generator(run.seed + epoch, rank()))
         started = time.perf_counter()
         metrics = train_one_epoch(ddp_model, loader, optimizer, device=device, epoch=epoch,
                                   progress=run.progress, accumulate=run.accumulate,
-                                  amp_dtype=amp_dtype, scaler=scaler)
+                                  amp_dtype=low_precision, scaler=scaler,
+                                  scheduler=scheduler)
         seconds = time.perf_counter() - started
         entry = {"epoch": epoch, "loss": metrics.loss, "accuracy": metrics.accuracy,
                  "seconds": seconds, "samples_per_s": metrics.samples / seconds}
         if run.checkpoint is not None:
-            extra = {"scaler": scaler.state_dict()} if scaler is not None else {}
+            extra = {"scheduler": scheduler.state_dict()}
+            if scaler is not None:
+                extra["scaler"] = scaler.state_dict()
             save_checkpoint(run.checkpoint, ddp_model, optimizer, epoch=epoch + 1,
                             extra=extra)
         message = f"epoch {epoch}: train {metrics}"

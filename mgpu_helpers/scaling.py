@@ -61,7 +61,7 @@ def measure(setups=DEFAULT_SETUPS, per_rank_samples: int = 512, batch_size: int 
     """Throughput (samples/s, all ranks together) of each setup, ``repeats`` times each.
 
     The default measures CPU ranks over gloo on any machine. On a GPU node pass
-    ``backend="nccl"`` (one GPU per rank: ranks <= GPUs; ``threads`` then only sets the
+    ``backend="auto"`` (one GPU per rank: ranks <= GPUs; ``threads`` then only sets the
     CPU threads of each rank's data loading and Python side).
 
     The setups take turns (round-robin), so a slow spell of the machine hits all of them

@@ -21,7 +21,8 @@ from .data import ImageDataset, loader_generator, prepare_digits, seed_worker
 from .dist import device as rank_device
 from .dist import rank, world_size
 from .models import SeedCNN
-from .recipe import AMP_DTYPES, AUGMENT, spread_subset
+from .precision import AMP_CHOICES, amp_dtype
+from .recipe import AUGMENT, spread_subset
 from .train import train_one_epoch
 
 
@@ -43,7 +44,7 @@ class TrainingOptions:
 
     workers: int = 0                      # DataLoader worker processes per rank
     pin_memory: bool = False              # page-locked batches (only used with a GPU)
-    amp: str | None = None                # autocast dtype, None for float32
+    amp: str | None = None                # autocast: "auto", "bfloat16", "float16"; None: fp32
     channels_last: bool = False           # NHWC memory layout for convolutions
     bucket_cap_mb: int = 25               # DDP bucket size (PyTorch's default)
     gradient_as_bucket_view: bool = False  # gradients live in the buckets: no copy
@@ -54,8 +55,8 @@ class TrainingOptions:
     def __post_init__(self):
         if self.workers < 0 or self.bucket_cap_mb < 1 or self.accumulate < 1:
             raise ValueError("workers must be >= 0, bucket_cap_mb and accumulate >= 1")
-        if self.amp is not None and self.amp not in AMP_DTYPES:
-            raise ValueError(f"amp must be None or one of {sorted(AMP_DTYPES)}")
+        if self.amp is not None and self.amp not in AMP_CHOICES:
+            raise ValueError(f"amp must be None or one of {', '.join(AMP_CHOICES)}")
         if self.comm_hook is not None and self.comm_hook not in COMM_HOOKS:
             raise ValueError(f"comm_hook must be None or one of {sorted(COMM_HOOKS)}, "
                              f"got {self.comm_hook!r}")
@@ -87,9 +88,11 @@ def timed_epoch(options: TrainingOptions, per_rank_samples: int, batch_size: int
                    "pin_memory": options.pin_memory and device.type == "cuda",
                    "worker_init_fn": seed_worker,
                    "persistent_workers": options.workers > 0}
+    low_precision = amp_dtype(options.amp, device)
     epoch_args = {"progress": False, "accumulate": options.accumulate,
-                  "amp_dtype": AMP_DTYPES.get(options.amp),
-                  "channels_last": options.channels_last}
+                  "amp_dtype": low_precision, "channels_last": options.channels_last,
+                  "scaler": (torch.amp.GradScaler(device.type)
+                             if low_precision == torch.float16 else None)}
     warmup = Subset(dataset, range(rank() * warmup_batches * batch_size,
                                    (rank() + 1) * warmup_batches * batch_size))
     # static_graph records the graph in the first iteration, which must synchronise:

@@ -48,13 +48,18 @@ class Metrics:
 def _global_metrics(loss_sum: torch.Tensor, correct: torch.Tensor, count: torch.Tensor) -> Metrics:
     totals = torch.stack([loss_sum.double(), correct.double(), count.double()])
     if dist.is_available() and dist.is_initialized():
-        if dist.get_backend() == "nccl":
-            totals = totals.to(rank_device())
-        dist.all_reduce(totals)
+        dist.all_reduce(totals)  # on the device the sums live on: NCCL on GPUs
     loss_sum, correct, count = totals.tolist()
     if count == 0:
         raise ValueError("no samples were seen: is the loader or the dataset empty?")
     return Metrics(loss_sum / count, correct / count, int(count))
+
+
+def _zero_sums(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Loss sum, correct count and sample count, as zeros on ``device``."""
+    return (torch.zeros((), dtype=torch.float64, device=device),
+            torch.zeros((), dtype=torch.int64, device=device),
+            torch.zeros((), dtype=torch.int64, device=device))
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -68,7 +73,7 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
                     progress: bool = True, accumulate: int = 1,
                     amp_dtype: torch.dtype | None = None,
                     scaler: torch.amp.GradScaler | None = None,
-                    channels_last: bool = False) -> Metrics:
+                    channels_last: bool = False, scheduler=None) -> Metrics:
     """One pass over ``loader``: forward, cross-entropy, backward, step.
 
     Args:
@@ -91,6 +96,7 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
             gradients do not underflow, skips steps whose gradients overflowed).
         channels_last: move image batches to the ``channels_last`` memory layout (the
             model should be converted too: ``model.to(memory_format=torch.channels_last)``).
+        scheduler: a learning-rate scheduler, stepped after every optimizer step.
 
     Returns:
         The epoch's mean loss and accuracy over all ranks' samples.
@@ -99,9 +105,9 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
         raise ValueError(f"accumulate must be a whole number >= 1, got {accumulate!r}")
     device = torch.device(device) if device is not None else rank_device()
     model.train()
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    correct = torch.zeros((), dtype=torch.int64)
-    count = torch.zeros((), dtype=torch.int64)
+    # The sums stay on the device: reading them on the host every step (`.item()`,
+    # `.cpu()`) would make the CPU wait for the GPU at every batch.
+    loss_sum, correct, count = _zero_sums(device)
     batches = len(loader) if accumulate > 1 else None  # a loader without len: accumulate=1
     can_skip_sync = isinstance(model, nn.parallel.DistributedDataParallel)
     bar = progress_bar(loader, desc=f"epoch {epoch}", unit="batch", leave=False,
@@ -129,8 +135,10 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
             else:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        loss_sum += loss.detach().double().cpu() * len(labels)
-        correct += (logits.detach().argmax(1) == labels).sum().cpu()
+            if scheduler is not None:
+                scheduler.step()
+        loss_sum += loss.detach().double() * len(labels)
+        correct += (logits.detach().argmax(1) == labels).sum()
         count += len(labels)
     bar.close()
     return _global_metrics(loss_sum, correct, count)
@@ -148,14 +156,12 @@ def evaluate(model: nn.Module, dataset, batch_size: int = 256,
     shard = Subset(dataset, range(rank(), len(dataset), world_size()))
     loader = DataLoader(shard, batch_size=batch_size, num_workers=num_workers)
     model.eval()
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    correct = torch.zeros((), dtype=torch.int64)
-    count = torch.zeros((), dtype=torch.int64)
+    loss_sum, correct, count = _zero_sums(device)
     for images, labels in loader:
         images, labels = images.to(device), labels.to(device)
         logits = model(images)
-        loss_sum += F.cross_entropy(logits, labels, reduction="sum").double().cpu()
-        correct += (logits.argmax(1) == labels).sum().cpu()
+        loss_sum += F.cross_entropy(logits, labels, reduction="sum").double()
+        correct += (logits.argmax(1) == labels).sum()
         count += len(labels)
     return _global_metrics(loss_sum, correct, count)
 

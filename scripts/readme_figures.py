@@ -70,6 +70,7 @@ def sampler_figures(out_dir: Path) -> list[Path]:
     for call_set_epoch, name, title in (
             (False, "sampler_without_set_epoch", "without set_epoch: the same order every epoch"),
             (True, "sampler_with_set_epoch", "with set_epoch(epoch): reshuffled every epoch")):
+        # CPU ranks on every machine: the figure shows indices, the same everywhere
         per_rank = mh.launch(sampler_orders, DATASET_SIZE, EPOCHS, call_set_epoch,
                              nprocs=RANKS, backend="gloo", return_all=True)
         orders = {epoch: [ranks[epoch] for ranks in per_rank] for epoch in range(EPOCHS)}

@@ -17,19 +17,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import mgpu_helpers as mh
-from mgpu_helpers.recipe import AMP_DTYPES, DigitsRun, train_digits
+from mgpu_helpers.cluster import cluster_environment
+from mgpu_helpers.precision import AMP_CHOICES
+from mgpu_helpers.recipe import REFERENCE_BATCH, DigitsRun, train_digits
 
 
 def parse_args(argv=None) -> tuple[DigitsRun, argparse.Namespace]:
     defaults = DigitsRun()  # the chapter's settings
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=defaults.epochs)
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="per rank")
-    parser.add_argument("--lr", type=float, default=defaults.lr, help="SGD, momentum 0.9")
+    parser.add_argument("--global-batch", type=int, default=defaults.global_batch,
+                        help="samples per optimizer step over all ranks (split between them)")
+    parser.add_argument("--lr", type=float, default=defaults.lr,
+                        help=f"Adam's peak learning rate for a global batch of {REFERENCE_BATCH} "
+                             "(scaled by the square-root rule for other global batches)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--checkpoint", type=Path, default=Path("runs/train_ddp.pt"))
     parser.add_argument("--limit", type=int, default=None,
@@ -38,8 +42,9 @@ def parse_args(argv=None) -> tuple[DigitsRun, argparse.Namespace]:
                         help="DataLoader workers per rank")
     parser.add_argument("--accumulate", type=int, default=1,
                         help="batches per optimizer step (gradient accumulation, no_sync)")
-    parser.add_argument("--amp", choices=sorted(AMP_DTYPES), default=None,
-                        help="mixed precision dtype (bfloat16 on CPU; float16 uses a scaler)")
+    parser.add_argument("--amp", choices=AMP_CHOICES, default=None,
+                        help="mixed precision: auto (bfloat16 where supported, else float16 "
+                             "with a scaler), bfloat16 or float16")
     parser.add_argument("--nprocs", type=int, default=None,
                         help="ranks to launch when not under torchrun/SLURM (default: GPUs)")
     parser.add_argument("--result", type=Path, default=None,
@@ -48,7 +53,7 @@ def parse_args(argv=None) -> tuple[DigitsRun, argparse.Namespace]:
     parser.add_argument("--die-rank", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
-        run = DigitsRun(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+        run = DigitsRun(epochs=args.epochs, global_batch=args.global_batch, lr=args.lr,
                         seed=args.seed, checkpoint=args.checkpoint, limit=args.limit,
                         workers=args.workers, accumulate=args.accumulate, amp=args.amp,
                         die_at_epoch=args.die_at_epoch, die_rank=args.die_rank)
@@ -60,9 +65,9 @@ def parse_args(argv=None) -> tuple[DigitsRun, argparse.Namespace]:
 def main(argv=None) -> None:
     run, args = parse_args(argv)
     result = mh.launch(train_digits, run, nprocs=args.nprocs)
-    # Under torchrun or SLURM every process returns here; only global rank 0 writes.
-    global_rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-    if args.result is not None and global_rank == "0":
+    # Under torchrun or an srun step every process returns here; only global rank 0 writes.
+    cluster = cluster_environment()
+    if args.result is not None and (cluster is None or cluster.rank == 0):
         args.result.parent.mkdir(parents=True, exist_ok=True)
         args.result.write_text(json.dumps(result, indent=1) + "\n")
 

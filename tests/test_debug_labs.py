@@ -78,7 +78,7 @@ def test_identical_augmentation_across_ranks_is_detected_and_fixed():
 def test_a_rank_killed_mid_epoch_is_reported_and_the_run_resumes(tmp_path):
     from mgpu_helpers.recipe import DigitsRun, train_digits
 
-    run = {"epochs": 2, "limit": 64, "batch_size": 16, "progress": False,
+    run = {"epochs": 2, "limit": 64, "global_batch": 32, "progress": False,
            "evaluate_every_epoch": False, "checkpoint": tmp_path / "run.pt"}
     with pytest.raises(LaunchError, match="rank 1 killed by signal SIGKILL"):
         launch(train_digits, DigitsRun(**run, die_at_epoch=1), nprocs=2, join_timeout=120)

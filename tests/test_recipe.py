@@ -8,12 +8,12 @@ from mgpu_helpers.recipe import DigitsRun, train_digits
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
-QUICK = {"epochs": 2, "limit": 64, "batch_size": 16, "progress": False}
+QUICK = {"epochs": 2, "limit": 64, "global_batch": 32, "progress": False}
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("epochs", 0, "epochs must be a whole number >= 1"),
-    ("batch_size", 2.5, "batch_size must be a whole number >= 1"),
+    ("global_batch", 2.5, "global_batch must be a whole number >= 1"),
     ("accumulate", 0, "accumulate must be a whole number >= 1"),
     ("limit", 0, "limit must be None or a whole number >= 1"),
     ("stop_after", -1, "stop_after must be None or a whole number >= 1"),

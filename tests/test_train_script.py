@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from slurm_env import srun_task
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "scripts" / "train_ddp.py")
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-QUICK = ["--epochs", "2", "--limit", "128", "--batch-size", "32"]
+QUICK = ["--epochs", "2", "--limit", "128", "--global-batch", "64"]
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -107,9 +108,8 @@ def test_two_torchrun_nodes_on_localhost_give_the_same_weights(uninterrupted, tm
 def test_simulated_slurm_step_gives_the_same_weights(uninterrupted, tmp_path):
     checkpoint = tmp_path / "slurm.pt"
     command = [sys.executable, SCRIPT, *QUICK, "--checkpoint", str(checkpoint)]
-    base = {**ONE_THREAD, "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost",
-            "SLURM_JOB_ID": "77", "MASTER_PORT": str(free_port())}
-    envs = [{**base, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task)} for task in (0, 1)]
+    port = str(free_port())
+    envs = [{**ONE_THREAD, **srun_task(task, tasks=2), "MASTER_PORT": port} for task in (0, 1)]
     run_together([command, command], envs)
     assert_same_weights(weights(checkpoint), weights(uninterrupted))
 
