@@ -14,7 +14,8 @@ LAB_PORT ?= 8888
 # Jupyter refuses to start as root (containers often run as root) unless told to.
 LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab test lint unit nbval browser notebooks nav bench figures screenshots pins clean
+.PHONY: venv lab test lint unit nbval browser gpu-check gpu-wheels notebooks nav bench figures \
+  screenshots pins clean
 
 venv: $(STAMP)
 
@@ -36,10 +37,10 @@ lab: $(STAMP)
 	  --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/$(LANDING) \
 	  $(LAB_ROOT_FLAG)
 
-test: lint unit nbval browser
+test: lint unit nbval browser gpu-check
 
 lint: $(STAMP)
-	$(BIN)/ruff check mgpu_helpers tests notebooks benchmarks scripts
+	$(BIN)/ruff check mgpu_helpers tests notebooks benchmarks scripts tools
 
 unit: $(STAMP)
 	$(BIN)/pytest tests --ignore=tests/browser
@@ -51,6 +52,28 @@ browser: $(STAMP)
 
 nbval: $(STAMP)
 	$(WITH_NB_ENV) $(BIN)/pytest $(NBVAL_FLAGS) $(NOTEBOOKS)
+
+# Does every chapter work here, GPUs included? Runs each chapter top to bottom (no Jupyter
+# needed) and scripts/train_ddp.py under torchrun, on the PyTorch of .venv if there is one,
+# else on $(PYTHON)'s (a GPU node's own). Report: runs/gpu_check/report.json.
+# On a node without network: `make gpu-wheels` here, carry .whl/, GPU_CHECK_ARGS="--wheels .whl".
+GPU_CHECK_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(GPU_CHECK_PYTHON) tools/gpu_check.py $(GPU_CHECK_ARGS)
+
+# The pure-Python packages the chapters import that a bare PyTorch image lacks (IPython,
+# ipywidgets), as wheels for Python $(WHEELS_PYTHON) on x86-64 Linux, at the pinned versions.
+WHEELS_PYTHON ?= 3.12
+GPU_WHEELS := ipython ipython_pygments_lexers jedi parso matplotlib-inline pexpect ptyprocess \
+  prompt_toolkit wcwidth stack-data executing asttokens pure_eval traitlets ipywidgets comm \
+  widgetsnbextension jupyterlab_widgets
+gpu-wheels:
+	mkdir -p .whl
+	$(PYTHON) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+	  --python-version $(WHEELS_PYTHON) --implementation cp --platform manylinux2014_x86_64 \
+	  -c $(PINS) -d .whl $(GPU_WHEELS)
+	@du -sh .whl
 
 # Re-execute every chapter in a fresh kernel, under the settings nbval uses, storing outputs
 # and each chapter's run time (shown on the landing page and in its navigation line).

@@ -45,6 +45,7 @@ class Chapter:
     summary: str          # one line: what you learn
     run_time_s: float | None  # measured by `execute`; None if never timed
     run_time_machine: str | None = None  # where it was measured, e.g. "2 CPUs, no GPU"
+    gpu_check: dict | None = None  # the last `make gpu-check` on GPUs (record_gpu_check)
 
     @property
     def name(self) -> str:
@@ -76,7 +77,44 @@ def read_chapter(path: Path) -> Chapter:
                          '["summary"] (shown on the landing page)')
     return Chapter(number=heading.group(1), path=path, title=heading.group(2).strip(),
                    summary=summary, run_time_s=info.get("run_time_s"),
-                   run_time_machine=info.get("run_time_machine"))
+                   run_time_machine=info.get("run_time_machine"),
+                   gpu_check=info.get("gpu_check"))
+
+
+NOT_RUN_ON_GPU = "not yet run on a GPU"
+
+
+def gpu_status(chapter: Chapter) -> str:
+    """Where this chapter's GPU path was last checked by `make gpu-check`, honestly:
+    "not yet run on a GPU" until a GPU run has been recorded."""
+    check = chapter.gpu_check
+    if not check:
+        return NOT_RUN_ON_GPU
+    verdict = "passed" if check["passed"] else "FAILED"
+    return f"{verdict} on {check['gpus']} ({check['torch']}), {check['date']}"
+
+
+def record_gpu_check(notebooks_dir: Path, report: dict) -> list[Path]:
+    """Store a GPU `make gpu-check` report's verdicts in the chapters it ran; a report
+    from a machine without GPUs changes nothing (it says nothing about the GPU path)."""
+    machine = report["machine"]
+    if not machine["gpus"] or machine["backend"] == "gloo":
+        raise ValueError("this report comes from a run without GPUs; only a run on GPUs "
+                         "says anything about the chapters' GPU path")
+    names = sorted(set(machine["gpus"]))
+    gpus = " + ".join(f"{machine['gpus'].count(n)}x {n}" for n in names)
+    changed = []
+    for result in report["results"]:
+        path = Path(notebooks_dir) / f"{result['name']}.ipynb"
+        if not path.is_file():
+            continue
+        notebook = json.loads(path.read_text())
+        notebook.setdefault("metadata", {}).setdefault(METADATA_KEY, {})["gpu_check"] = {
+            "passed": bool(result["passed"]), "gpus": gpus,
+            "torch": f"PyTorch {machine['torch']}", "date": report["date"]}
+        _write_notebook(path, notebook)
+        changed.append(path)
+    return changed
 
 
 def read_chapters(notebooks_dir: Path) -> list[Chapter]:
@@ -210,10 +248,11 @@ def format_run_time(seconds: float | None) -> str:
 
 def chapter_map(chapters: list[Chapter]) -> str:
     """The chapter map as a markdown table with relative links."""
-    rows = ["| # | chapter | what you learn | run time |", "|---|---|---|---|"]
+    rows = ["| # | chapter | what you learn | run time | GPU path |", "|---|---|---|---|---|"]
     for chapter in chapters:
         rows.append(f"| {chapter.number} | [{chapter.title}]({chapter.name}) | "
-                    f"{chapter.summary} | {format_run_time(chapter.run_time_s)} |")
+                    f"{chapter.summary} | {format_run_time(chapter.run_time_s)} | "
+                    f"{gpu_status(chapter)} |")
     return "\n".join(rows)
 
 
@@ -231,8 +270,9 @@ def landing_notebook(chapters: list[Chapter], report_text: str, measured_on: str
         "Start with chapter 00 and read in order: each chapter builds on the previous one. "
         "Run a cell with **Shift+Enter**, or a whole chapter with **Run › Run All Cells**. "
         "Every chapter runs on this machine, GPU or not: with no GPU, ranks are CPU "
-        "processes over `gloo`; on a GPU node, one process per GPU over NCCL, with no "
-        "change to the notebooks.\n\n"
+        "processes over `gloo`; on a GPU node, the GPU-capable cells start one process per "
+        "GPU over NCCL, with no change to the notebooks. The last column says where each "
+        "chapter's GPU path has been checked by `make gpu-check` (README).\n\n"
         "This page is written by `make lab` each time it starts (it is not part of the "
         "repository). The chapters' run times were measured by `make notebooks` "
         f"(a fresh kernel each, start-up included) on {measured_on}."

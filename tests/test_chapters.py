@@ -132,10 +132,10 @@ def test_landing_page_maps_chapters_and_shows_the_report(tmp_path):
     notebook = nbformat.read(out, as_version=4)
     nbformat.validate(notebook)
     text = "\n".join(cell.source for cell in notebook.cells)
-    assert "| 00 | [Alpha](00_a.ipynb) | learn a | 37 s |" in text
-    assert "| 01 | [Beta](01_b.ipynb) | learn b | 2.5 min |" in text
-    assert ("| 02 | [Gamma](02_c.ipynb) | learn c | not measured yet (run `make notebooks`) |"
-            in text)
+    assert "| 00 | [Alpha](00_a.ipynb) | learn a | 37 s | not yet run on a GPU |" in text
+    assert "| 01 | [Beta](01_b.ipynb) | learn b | 2.5 min | not yet run on a GPU |" in text
+    assert ("| 02 | [Gamma](02_c.ipynb) | learn c | not measured yet (run `make notebooks`) "
+            "| not yet run on a GPU |" in text)
     report = [c for c in notebook.cells if chapters.REPORT_TAG in c.metadata.get("tags", [])]
     assert len(report) == 1 and "Workbook plan  test" in report[0].outputs[0]["text"]
     assert "measured by `make notebooks` (a fresh kernel each, start-up included) on " \
@@ -166,3 +166,42 @@ def test_command_line_rejects_a_missing_notebook(capsys):
         chapters.main(["execute", "notebooks/99_missing.ipynb"])
     assert stopped.value.code == 2
     assert "no such notebook: notebooks/99_missing.ipynb" in capsys.readouterr().err
+
+
+def gpu_report(passed: dict[str, bool], gpus=("NVIDIA H200",), backend="cpu:gloo,cuda:nccl"):
+    return {"machine": {"gpus": list(gpus), "backend": backend, "torch": "2.11.0+cu130"},
+            "date": "2026-12-03",
+            "results": [{"name": name, "passed": ok} for name, ok in passed.items()]}
+
+
+def test_a_gpu_check_is_recorded_per_chapter_and_shown_on_the_landing_page(tmp_path):
+    write_chapter(tmp_path / "00_a.ipynb", "# 00 · Alpha", [], summary="learn a", run_time=3)
+    write_chapter(tmp_path / "01_b.ipynb", "# 01 · Beta", [], summary="learn b", run_time=3)
+    changed = chapters.record_gpu_check(tmp_path, gpu_report({"00_a": True, "01_b": False,
+                                                              "torchrun x": True}))
+    assert [p.name for p in changed] == ["00_a.ipynb", "01_b.ipynb"]
+    found = {c.number: chapters.gpu_status(c) for c in chapters.read_chapters(tmp_path)}
+    assert found == {"00": "passed on 1x NVIDIA H200 (PyTorch 2.11.0+cu130), 2026-12-03",
+                     "01": "FAILED on 1x NVIDIA H200 (PyTorch 2.11.0+cu130), 2026-12-03"}
+    out = chapters.write_landing(tmp_path, tmp_path / chapters.LANDING_NAME, report_text="r")
+    assert "| passed on 1x NVIDIA H200 (PyTorch 2.11.0+cu130), 2026-12-03 |" in out.read_text()
+
+
+def test_a_report_without_gpus_is_not_a_gpu_verdict(tmp_path):
+    write_chapter(tmp_path / "00_a.ipynb", "# 00 · Alpha", [], summary="learn a", run_time=3)
+    with pytest.raises(ValueError, match="run without GPUs"):
+        chapters.record_gpu_check(tmp_path, gpu_report({"00_a": True}, gpus=(),
+                                                       backend="gloo"))
+    assert chapters.gpu_status(chapters.read_chapter(tmp_path / "00_a.ipynb")) == \
+        chapters.NOT_RUN_ON_GPU
+
+
+def test_readme_states_each_chapters_gpu_path_as_recorded():
+    readme = (ROOT / "README.md").read_text()
+    for chapter in chapters.read_chapters(NOTEBOOKS):
+        row = re.search(rf"^\| {chapter.number} \| `{chapter.path.stem}` \|.*\| ([^|]+) \|$",
+                        readme, re.MULTILINE)
+        assert row, f"README's chapter table has no row for {chapter.path.stem}"
+        assert row.group(1) == chapters.gpu_status(chapter), (
+            f"README says {row.group(1)!r} for chapter {chapter.number}; its last recorded "
+            f"GPU check says {chapters.gpu_status(chapter)!r}")
