@@ -67,7 +67,7 @@ gpu-check:
 WHEELS_PYTHON ?= 3.12
 GPU_WHEELS := ipython ipython_pygments_lexers jedi parso matplotlib-inline pexpect ptyprocess \
   prompt_toolkit wcwidth stack-data executing asttokens pure_eval traitlets ipywidgets comm \
-  widgetsnbextension jupyterlab_widgets
+  widgetsnbextension jupyterlab_widgets tqdm cloudpickle
 gpu-wheels:
 	mkdir -p .whl
 	$(PYTHON) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \

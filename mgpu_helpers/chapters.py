@@ -91,7 +91,10 @@ def gpu_status(chapter: Chapter) -> str:
     if not check:
         return NOT_RUN_ON_GPU
     verdict = "passed" if check["passed"] else "FAILED"
-    return f"{verdict} on {check['gpus']} ({check['torch']}), {check['date']}"
+    text = f"{verdict} on {check['gpus']} ({check['torch']}), {check['date']}"
+    if check.get("gpu_count") == 1:
+        text += "; cells for 2 or more GPUs not run"
+    return text
 
 
 def record_gpu_check(notebooks_dir: Path, report: dict) -> list[Path]:
@@ -111,6 +114,7 @@ def record_gpu_check(notebooks_dir: Path, report: dict) -> list[Path]:
         notebook = json.loads(path.read_text())
         notebook.setdefault("metadata", {}).setdefault(METADATA_KEY, {})["gpu_check"] = {
             "passed": bool(result["passed"]), "gpus": gpus,
+            "gpu_count": len(machine["gpus"]),
             "torch": f"PyTorch {machine['torch']}", "date": report["date"]}
         _write_notebook(path, notebook)
         changed.append(path)

@@ -31,8 +31,15 @@ def world_size() -> int:
 
 
 def local_rank() -> int:
-    """This process's rank on its own machine: the index of the GPU it should use."""
+    """This process's rank on its own machine."""
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def gpu_index() -> int:
+    """The GPU this rank uses: its local rank, modulo the GPUs it can see. Usually they
+    are equal; under ``srun --gpus-per-task=1`` each task sees only its own GPU, as
+    ``cuda:0``, whatever its local rank."""
+    return local_rank() % max(1, torch.cuda.device_count())
 
 
 def is_main() -> bool:
@@ -45,7 +52,7 @@ def device() -> torch.device:
     tensors over NCCL (``launch``'s ``"auto"`` on a GPU node, or a group of your own
     created with ``"nccl"``), else ``cpu`` (gloo ranks, or no group at all)."""
     if _initialized() and backend_device_type(dist.get_backend()) == "cuda":
-        return torch.device("cuda", local_rank())
+        return torch.device("cuda", gpu_index())
     return torch.device("cpu")
 
 

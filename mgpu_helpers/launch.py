@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .cluster import ClusterEnvironmentError, ClusterRank, cluster_environment, elastic_store
+from .dist import gpu_index
 from .env import auto_backend, backend_device_type, count_gpus, cuda_driver_loaded
 from .group_reuse import reusing_launched_group
 
@@ -655,8 +656,15 @@ def _torchrun_variables(cluster: ClusterRank) -> dict[str, str]:
     """The variables torchrun sets, derived from an srun task's, so that code reading
     RANK or LOCAL_RANK (and ``mh.local_rank()``) works under srun as under torchrun."""
     host, _, port = cluster.init_method.removeprefix("tcp://").rpartition(":")
-    return {"RANK": str(cluster.rank), "WORLD_SIZE": str(cluster.world_size),
-            "LOCAL_RANK": str(cluster.local_rank), "MASTER_ADDR": host, "MASTER_PORT": port}
+    variables = {"RANK": str(cluster.rank), "WORLD_SIZE": str(cluster.world_size),
+                 "LOCAL_RANK": str(cluster.local_rank), "MASTER_ADDR": host,
+                 "MASTER_PORT": port}
+    per_node = os.environ.get("SLURM_STEP_TASKS_PER_NODE",
+                              os.environ.get("SLURM_TASKS_PER_NODE", ""))
+    first = per_node.split("(")[0].split(",")[0]  # "4(x2)" or "4,2": this node's count
+    if first.isdigit():  # exact on homogeneous steps, the usual case
+        variables["LOCAL_WORLD_SIZE"] = first
+    return variables
 
 
 def _run_in_this_process(fn, args, kwargs, cluster: ClusterRank, backend: str,
@@ -666,7 +674,7 @@ def _run_in_this_process(fn, args, kwargs, cluster: ClusterRank, backend: str,
             os.environ.setdefault(name, value)
     backend = resolve_backend(backend, count_gpus())
     if backend_device_type(backend) == "cuda":
-        torch.cuda.set_device(cluster.local_rank)
+        torch.cuda.set_device(gpu_index())  # after LOCAL_RANK is in the environment
     group_timeout = datetime.timedelta(seconds=timeout)
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:
         dist.init_process_group(backend, store=elastic_store(cluster, group_timeout),

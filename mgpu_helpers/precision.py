@@ -46,7 +46,8 @@ def _fp32_settings() -> list[tuple[object, str, object]]:
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
     try:
         matmul.fp32_precision  # noqa: B018 (raises AttributeError on older PyTorch)
-        return [(matmul, "fp32_precision", "ieee"), (cudnn.conv, "fp32_precision", "ieee")]
+        return [(matmul, "fp32_precision", "ieee"), (cudnn.conv, "fp32_precision", "ieee"),
+                (cudnn.rnn, "fp32_precision", "ieee")]
     except AttributeError:
         return [(matmul, "allow_tf32", False), (cudnn, "allow_tf32", False)]
 

@@ -248,7 +248,9 @@ def load_checkpoint(path: str | Path, model: nn.Module,
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
     try:
-        state = torch.load(path, map_location=rank_device(), weights_only=True)
+        # On the CPU: the model and optimizer copy their tensors to their own device, and
+        # the random-number states must stay CPU tensors.
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise RuntimeError(
             f"checkpoint {path} is unreadable ({type(exc).__name__}: {exc}). It may be "

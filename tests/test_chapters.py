@@ -181,10 +181,16 @@ def test_a_gpu_check_is_recorded_per_chapter_and_shown_on_the_landing_page(tmp_p
                                                               "torchrun x": True}))
     assert [p.name for p in changed] == ["00_a.ipynb", "01_b.ipynb"]
     found = {c.number: chapters.gpu_status(c) for c in chapters.read_chapters(tmp_path)}
-    assert found == {"00": "passed on 1x NVIDIA H200 (PyTorch 2.11.0+cu130), 2026-12-03",
-                     "01": "FAILED on 1x NVIDIA H200 (PyTorch 2.11.0+cu130), 2026-12-03"}
+    one_gpu = "; cells for 2 or more GPUs not run"
+    assert found == {
+        "00": "passed on 1x NVIDIA H200 (PyTorch 2.11.0+cu130), 2026-12-03" + one_gpu,
+        "01": "FAILED on 1x NVIDIA H200 (PyTorch 2.11.0+cu130), 2026-12-03" + one_gpu}
     out = chapters.write_landing(tmp_path, tmp_path / chapters.LANDING_NAME, report_text="r")
-    assert "| passed on 1x NVIDIA H200 (PyTorch 2.11.0+cu130), 2026-12-03 |" in out.read_text()
+    assert f"| passed on 1x NVIDIA H200 (PyTorch 2.11.0+cu130), 2026-12-03{one_gpu} |" in \
+        out.read_text()
+    chapters.record_gpu_check(tmp_path, gpu_report({"00_a": True}, gpus=("A100",) * 8))
+    assert chapters.gpu_status(chapters.read_chapter(tmp_path / "00_a.ipynb")) == \
+        "passed on 8x A100 (PyTorch 2.11.0+cu130), 2026-12-03"
 
 
 def test_a_report_without_gpus_is_not_a_gpu_verdict(tmp_path):

@@ -100,3 +100,16 @@ def test_kernel_in_a_4_task_batch_allocation_starts_2_local_ranks(tmp_path, monk
     assert seen["slurm_ntasks"] == "4"  # the kernel did inherit the allocation
     assert [(r["rank"], r["world"]) for r in seen["ranks"]] == [(0, 2), (1, 2)]
     assert seen["kernel"] not in {r["pid"] for r in seen["ranks"]}  # ranks of its own
+
+
+def test_srun_tasks_get_torchruns_variables(monkeypatch):
+    from mgpu_helpers.launch import _torchrun_variables
+
+    env = {**srun_task(1, tasks=4), "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+           "MASTER_PORT": "29511"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    variables = _torchrun_variables(cluster_environment(env))
+    assert variables == {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+                         "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "localhost",
+                         "MASTER_PORT": "29511"}

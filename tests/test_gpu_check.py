@@ -94,6 +94,14 @@ def test_chapters_launch_ranks_as_in_a_notebook(tmp_path):
     assert report["results"][0]["passed"], report
 
 
+def test_a_chapter_whose_process_hangs_after_its_last_cell_fails(tmp_path):
+    lingering = chapter(tmp_path, "07_linger",
+                        "import threading, time\n"
+                        "threading.Thread(target=time.sleep, args=(600,)).start()")
+    _, report = gpu_check(tmp_path, lingering, timeout=10)
+    assert report["results"][0]["error"] == "timed out after 10 s after its last cell"
+
+
 def test_missing_notebook_is_refused(tmp_path):
     done, report = gpu_check(tmp_path, tmp_path / "absent.ipynb")
     assert done.returncode == 2 and "no such notebook" in done.stderr and report is None

@@ -115,11 +115,13 @@ def test_without_nccl_gpus_are_not_used_for_collectives():
     assert "no NCCL" in plan.summary
 
 
-@pytest.mark.parametrize(("backend", "expected"), [
-    ("gloo", "cpu"), (GPU_BACKEND, "cuda:3"), ("nccl", "cuda:3")])
-def test_device_follows_the_group_backend(monkeypatch, backend, expected):
+@pytest.mark.parametrize(("backend", "visible", "expected"), [
+    ("gloo", 8, "cpu"), (GPU_BACKEND, 8, "cuda:3"), ("nccl", 8, "cuda:3"),
+    (GPU_BACKEND, 1, "cuda:0")])  # srun --gpus-per-task=1: each task sees its GPU as cuda:0
+def test_device_follows_the_group_backend(monkeypatch, backend, visible, expected):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert mh.device() == torch.device(expected)
 

@@ -179,13 +179,13 @@ def check_chapter(path: Path, out: Path, env: dict[str, str], timeout: float) ->
         except subprocess.TimeoutExpired:
             code = None
     seconds = time.perf_counter() - started
-    if result_file.exists():
-        result = json.loads(result_file.read_text())
-    elif code is None:
-        result = {"passed": False, "error": f"timed out after {timeout:.0f} s"}
-    else:
+    result = json.loads(result_file.read_text()) if result_file.exists() else {}
+    if code is None:  # also after its last cell: something kept the process alive
+        after = " after its last cell" if result.get("passed") else ""
+        result.update(passed=False, error=f"timed out after {timeout:.0f} s{after}")
+    elif code != 0 and (not result or result.get("passed")):
         tail = log_file.read_text().strip().splitlines()[-1:] or ["no output"]
-        result = {"passed": False, "error": f"exited with status {code}: {tail[0][:200]}"}
+        result.update(passed=False, error=f"exited with status {code}: {tail[0][:200]}")
     result.update({"name": path.stem, "seconds": round(seconds, 1), "log": log_file.name})
     return result
 
@@ -280,6 +280,14 @@ def main(argv: list[str] | None = None) -> int:
     if absent:
         parser.error(f"no such notebook: {', '.join(absent)}")
     extra = install_wheels(args.wheels) if args.wheels else None
+    try:
+        return check_everything(chapters, extra, args, parser)
+    finally:
+        if extra:
+            shutil.rmtree(extra, ignore_errors=True)
+
+
+def check_everything(chapters: list[Path], extra: str | None, args, parser) -> int:
     env = child_environment(extra)
     missing = missing_modules(env)
     if missing:
