@@ -428,6 +428,9 @@ class _Rank:
         return "finished normally"
 
 
+_COLLATERAL_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
 def _first_line(text: str) -> str:
     return text.splitlines()[0] if text else ""
 
@@ -578,8 +581,18 @@ def _failure_message(ranks: list[_Rank]) -> tuple[str, bool]:
             return rank.outcome[1]["failed_at"]
         return rank.exited_at or float("inf")
 
+    def collateral(rank: _Rank) -> bool:
+        # A peer that gave up (a timeout, a crash) closes its connections: the others then
+        # fail with "Connection closed by peer", sometimes stamped a moment before the
+        # peer's own report. Such an error is never the root cause while another exists.
+        report = rank.outcome[1] if rank.outcome and rank.outcome[0] == "error" else None
+        return report is not None and any(text in report["message"]
+                                          for text in _COLLATERAL_ERRORS)
+
     failures = [r for r in ranks if not (r.outcome and r.outcome[0] == "ok")]
-    root = min(failures, key=failed_at)
+    genuine = [r for r in failures if r.outcome and r.outcome[0] == "error"
+               and not collateral(r)]
+    root = min(genuine or failures, key=failed_at)
     if root.outcome and root.outcome[0] == "error":
         report = root.outcome[1]
         head = f"rank {root.index} failed: {report['type']}: {_first_line(report['message'])}"

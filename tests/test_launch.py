@@ -10,6 +10,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -179,6 +180,25 @@ def test_failing_rank_is_reported_first_and_others_are_stopped():
     assert message.startswith("rank 1 failed: ValueError: boom")
     assert 'raise ValueError("boom")' in message
     assert "rank 0:" in message.split("Other ranks")[1]
+
+
+def failed_rank(index: int, message: str, failed_at: float):
+    report = {"rank": index, "phase": "run", "failed_at": failed_at, "type": "RuntimeError",
+              "message": message, "traceback": f"RuntimeError: {message}\n"}
+    process = SimpleNamespace(exitcode=1)
+    return launch_module._Rank(index, process, None, None, None, outcome=("error", report))
+
+
+def test_a_peers_closed_connection_is_not_taken_for_the_root_cause():
+    # Seen in chapter 08: rank 0 timed out and closed its connections; rank 1's
+    # "Connection closed by peer" was stamped a moment earlier than rank 0's own report.
+    ranks = [failed_rank(0, "Timed out waiting 5000ms for recv operation", 10.002),
+             failed_rank(1, "Connection closed by peer [127.0.0.1]:41177", 10.001)]
+    message, _ = launch_module._failure_message(ranks)
+    assert message.startswith("rank 0 failed: RuntimeError: Timed out waiting")
+    only_collateral = [failed_rank(1, "Connection reset by peer", 3.0),
+                       failed_rank(0, "Broken pipe", 4.0)]
+    assert launch_module._failure_message(only_collateral)[0].startswith("rank 1 failed")
 
 
 def rank0_raises():
