@@ -14,8 +14,8 @@ LAB_PORT ?= 8888
 # Jupyter refuses to start as root (containers often run as root) unless told to.
 LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab test lint unit nbval browser gpu-check gpu-wheels notebooks nav bench figures \
-  screenshots pins clean
+.PHONY: venv lab test check lint unit nbval browser gpu-check gpu-wheels notebooks nav bench \
+  figures screenshots pins clean
 
 venv: $(STAMP)
 
@@ -24,20 +24,32 @@ $(STAMP): pyproject.toml $(PINS)
 	  { echo "error: $(PYTHON) is older than Python 3.10; run 'make PYTHON=python3.11 ...'" >&2; exit 1; }
 	@test -x $(BIN)/python || { echo "Creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
 	@echo "Installing the workbook into $(VENV) (pinned by $(PINS); the first time takes minutes)"
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c $(PINS) -e ".[test]"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c $(PINS) -e ".[lab,test]"
 	@# Build matplotlib's font cache here, so its notice never lands in a notebook output.
 	$(BIN)/python -c "import matplotlib.pyplot"
 	@touch $@
 
+# JupyterLab's defaults for this environment: no "get notified about Jupyter news?"
+# pop-up, no update checks (a reader can still change both in Settings).
+LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
+$(LAB_OVERRIDES): tools/jupyterlab_overrides.json $(STAMP)
+	@mkdir -p $(dir $@)
+	cp $< $@
+
 # Opens the landing page: the chapter map, links, and this machine's environment report
 # (written afresh at each start; git-ignored).
-lab: $(STAMP)
+lab: $(STAMP) $(LAB_OVERRIDES)
 	$(BIN)/python -m mgpu_helpers.chapters landing notebooks
 	$(WITH_NB_ENV) $(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) \
 	  --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/$(LANDING) \
 	  $(LAB_ROOT_FLAG)
 
 test: lint unit nbval browser gpu-check
+
+# The fast tier, for contributors between commits: lint and the unit tests not marked
+# slow (no trainings, JupyterLab, torchrun or long waits). `make test` before pushing.
+check: lint
+	$(BIN)/pytest tests --ignore=tests/browser -m "not slow" -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check mgpu_helpers tests notebooks benchmarks scripts tools

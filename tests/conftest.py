@@ -1,25 +1,20 @@
 """Shared fixtures: no test may leave a process behind."""
 
-import os
 import time
 
+import psutil
 import pytest
 
 
 def child_pids() -> list[int]:
-    """Live (non-zombie) processes whose parent is this test process."""
-    me = str(os.getpid())
+    """Live (non-zombie) processes whose parent is this test process (Linux and macOS)."""
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for child in psutil.Process().children(recursive=False):
         try:
-            with open(f"/proc/{entry}/stat") as stat:
-                state, parent = stat.read().rsplit(")", 1)[1].split()[:2]
-        except OSError:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                found.append(child.pid)
+        except psutil.NoSuchProcess:
             continue
-        if parent == me and state != "Z":
-            found.append(int(entry))
     return found
 
 

@@ -27,6 +27,7 @@ def test_bad_options_are_refused(bad):
         TrainingOptions(**bad)
 
 
+@pytest.mark.slow
 def test_the_tuned_configuration_trains_with_static_graph_and_accumulation():
     # static_graph + no_sync in DDP's first iteration trips an internal assert in the
     # reducer; the warm-up runs one synchronised step first

@@ -143,6 +143,7 @@ def test_landing_page_maps_chapters_and_shows_the_report(tmp_path):
     assert not list(tmp_path.glob(".*.tmp")), "the page is written atomically"
 
 
+@pytest.mark.slow
 def test_execute_stores_outputs_and_run_time_and_keeps_a_failing_notebook(tmp_path):
     good = write_chapter(tmp_path / "00_ok.ipynb", "# 00 · Ok", [new_code_cell("print(6 * 7)")])
     times = chapters.execute([good])

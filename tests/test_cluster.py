@@ -91,6 +91,7 @@ print(json.dumps({"ranks": ranks, "kernel": os.getpid(),
 '''
 
 
+@pytest.mark.slow
 def test_kernel_in_a_4_task_batch_allocation_starts_2_local_ranks(tmp_path, monkeypatch):
     for key, value in batch_allocation(4).items():
         monkeypatch.setenv(key, value)

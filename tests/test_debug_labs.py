@@ -10,12 +10,14 @@ pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 BOUND = {"nprocs": 2, "timeout": 5, "join_timeout": 60}
 
 
+@pytest.mark.slow
 def test_a_collective_only_rank0_calls_times_out_and_the_fix_passes():
     with pytest.raises(LaunchError, match="rank 0 failed: .*Timed out"):
         launch(labs.lab_collective_on_one_rank, **BOUND)
     assert launch(labs.lab_collective_on_one_rank, True, **BOUND) == 8.0
 
 
+@pytest.mark.slow
 def test_monitored_barrier_names_the_missing_rank():
     with pytest.raises(LaunchError, match="Rank 1 failed to pass monitoredBarrier"):
         launch(labs.lab_monitored_barrier, **BOUND)
@@ -32,6 +34,7 @@ def test_mismatched_shapes_crash_and_detail_debugging_names_them():
         assert launch(labs.lab_mismatched_shapes, True, **BOUND) == [2.0] * 4
 
 
+@pytest.mark.slow
 def test_mismatched_order_times_out_and_detail_debugging_names_it():
     with pytest.raises(LaunchError, match="Timed out"):
         launch(labs.lab_mismatched_order, **BOUND)
@@ -75,6 +78,7 @@ def test_identical_augmentation_across_ranks_is_detected_and_fixed():
     assert fixed[0] != fixed[1]
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_epoch_is_reported_and_the_run_resumes(tmp_path):
     from mgpu_helpers.recipe import DigitsRun, train_digits
 

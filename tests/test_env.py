@@ -103,6 +103,7 @@ def test_malformed_visible_devices_listed_as_problem(monkeypatch):
     assert report.to_dict()["visible_devices"]["entries"] == (0,)
 
 
+@pytest.mark.slow
 def test_describe_never_touches_cuda_in_process(monkeypatch):
     """Any in-process call that would initialise the CUDA driver fails this test."""
 
@@ -118,6 +119,7 @@ def test_describe_never_touches_cuda_in_process(monkeypatch):
     assert not torch.cuda.is_initialized()
 
 
+@pytest.mark.slow
 def test_real_probe_survives_malformed_visible_devices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,,1")
     report = describe()
@@ -132,6 +134,7 @@ def test_ipython_shows_the_text_table():
     assert pretty(report) == str(report)
 
 
+@pytest.mark.slow
 def test_real_probe_is_self_consistent():
     probe = probe_cuda()
     assert probe.probe_error is None
@@ -167,6 +170,7 @@ def test_probe_rejects_non_positive_timeout():
         probe_cuda(timeout=0)
 
 
+@pytest.mark.slow
 def test_doctor_prints_report_and_exits_zero():
     done = subprocess.run([sys.executable, "-m", "mgpu_helpers"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -175,6 +179,7 @@ def test_doctor_prints_report_and_exits_zero():
     assert done.stderr == ""
 
 
+@pytest.mark.slow
 def test_doctor_json_is_machine_readable():
     done = subprocess.run([sys.executable, "-m", "mgpu_helpers", "--json"],
                           capture_output=True, text=True, check=True)

@@ -1,9 +1,11 @@
-"""`make lab` serves JupyterLab on loopback with a token, and chapter 00 runs there.
+"""`make lab` serves JupyterLab on loopback with a token, and its kernels launch ranks.
 
-Starts the real `make lab`, reads the URL it prints, checks that it opens the landing
-page it wrote (chapter map and this machine's report), that the server refuses requests
-without the token, executes every code cell of chapter 00 in a kernel started through
-the server (as the browser would), and shuts everything down.
+Starts the real `make lab` on a free port, reads the URL it prints, checks that it opens
+the landing page it wrote (chapter map and this machine's report), that the server
+refuses requests without the token and ships the workbook's JupyterLab defaults (no news
+pop-up), runs cells in a kernel started through the server (as the browser would), one
+of which launches 2 ranks, and shuts everything down. The chapters themselves run under
+nbval, in the browser test and in `make gpu-check`.
 """
 
 import asyncio
@@ -11,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -18,14 +21,27 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-import nbformat
+import psutil
 import pytest
 from tornado.websocket import websocket_connect
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTER = "notebooks/00_environment.ipynb"
 LANDING = "notebooks/start_here.ipynb"
+CELLS = [
+    "import mgpu_helpers as mh\nprint(mh.describe().plan.summary)",
+    "print(mh.launch(mh.rank, nprocs=2, backend='gloo', return_all=True))",
+    "raise ValueError('shown on purpose')",
+]
 URL_PATTERN = re.compile(r"(http://127\.0\.0\.1:(\d+))/lab/tree/(\S+)\?token=(\w+)")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def wait_for_url(server: subprocess.Popen, log: Path, timeout: float = 120.0) -> re.Match:
@@ -103,7 +119,8 @@ async def run_cells(ws_url: str, sources: list[str]) -> list[tuple[tuple[str, st
 def test_make_lab_serves_chapter_00_on_loopback_with_token(tmp_path):
     log = tmp_path / "lab.log"
     with log.open("w") as out:
-        server = subprocess.Popen(["make", "--no-print-directory", "lab", "LAB_PORT=18888"],
+        server = subprocess.Popen(["make", "--no-print-directory", "lab",
+                                   f"LAB_PORT={free_port()}"],
                                   cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL, start_new_session=True)
     kernel_pid = None
@@ -128,24 +145,26 @@ def test_make_lab_serves_chapter_00_on_loopback_with_token(tmp_path):
         ws_url = (f"ws://127.0.0.1:{port}/api/kernels/{session['kernel']['id']}/channels"
                   f"?token={token}")
 
-        notebook = nbformat.read(ROOT / CHAPTER, as_version=4)
-        code_cells = [c for c in notebook.cells if c.cell_type == "code"]
-        results = asyncio.run(run_cells(ws_url, [c.source for c in code_cells]
-                                        + ["import os; print(os.getpid())"]))
+        results = asyncio.run(run_cells(ws_url, [*CELLS, "import os; print(os.getpid())"]))
         pid_error, pid_text = results.pop()
         assert pid_error is None
         kernel_pid = int(pid_text)
+        (plan_error, plan), (launch_error, ranks), (raised, _) = results
+        assert plan_error is None and ("gloo" in plan or "GPU" in plan), plan
+        assert launch_error is None and ranks.strip() == "[0, 1]", (launch_error, ranks)
+        assert raised == ("ValueError", "shown on purpose")
 
-        for cell, (error, _) in zip(code_cells, results, strict=True):
-            expected = "raises-exception" in cell.metadata.get("tags", [])
-            assert (error is not None) == expected, (cell.source[:200], error)
-        assert ("ValueError", "Default process group has not been initialized, please make "
-                "sure to call init_process_group.") in [error for error, _ in results]
+        # make lab's JupyterLab defaults: no "get notified about Jupyter news?" pop-up
+        status, notification = http(
+            f"{base}/lab/api/settings/@jupyterlab/apputils-extension:notification", token)
+        defaults = notification["schema"]["properties"]  # JupyterLab's own: "none", true
+        assert defaults["fetchNews"]["default"] == "false"
+        assert defaults["checkForUpdates"]["default"] is False
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
     # Stopping the server must not leave the chapter's kernel behind.
     deadline = time.monotonic() + 30
-    while kernel_pid and Path(f"/proc/{kernel_pid}").exists() and time.monotonic() < deadline:
+    while kernel_pid and psutil.pid_exists(kernel_pid) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not (kernel_pid and Path(f"/proc/{kernel_pid}").exists()), "kernel left running"
+    assert not (kernel_pid and psutil.pid_exists(kernel_pid)), "kernel left running"

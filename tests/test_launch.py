@@ -143,6 +143,7 @@ def test_output_is_prefixed_line_by_line(capfd):
     assert sorted(err.splitlines()) == ["[rank 0] warning from 0", "[rank 1] warning from 1"]
 
 
+@pytest.mark.slow
 def test_function_from_main_module_under_fork_and_spawn():
     done = run_script(sys.executable, str(SCRIPTS / "main_module.py"))
     assert done.returncode == 0, done.stdout + done.stderr
@@ -235,6 +236,7 @@ def rank1_hangs():
         time.sleep(600)
 
 
+@pytest.mark.slow
 def test_join_timeout_kills_and_shows_stacks():
     start = time.monotonic()
     with pytest.raises(TimeoutError) as caught:
@@ -251,6 +253,7 @@ def rank1_is_late():
     dist.barrier()
 
 
+@pytest.mark.slow
 def test_timeout_reaches_the_process_group():
     start = time.monotonic()
     with pytest.raises(LaunchError) as caught:
@@ -260,6 +263,7 @@ def test_timeout_reaches_the_process_group():
     assert "Advice: A collective waited longer than `timeout`" in str(caught.value)
 
 
+@pytest.mark.slow
 def test_interrupt_kills_every_rank_and_next_launch_works():
     done = run_script(sys.executable, str(SCRIPTS / "interrupt.py"))
     assert done.returncode == 0, done.stdout + done.stderr
@@ -319,6 +323,7 @@ def test_fixed_port_in_use_at_rendezvous_is_not_retried(monkeypatch):
 # ------------------------------------------------------------------------ clusters
 
 
+@pytest.mark.slow
 def test_torchrun_standalone_runs_the_function_once_per_process():
     torchrun = Path(sys.executable).with_name("torchrun")
     done = run_script(str(torchrun), "--standalone", "--nproc-per-node", "2",
@@ -330,6 +335,7 @@ def test_torchrun_standalone_runs_the_function_once_per_process():
                                                           "1 world 2 sum 2"]
 
 
+@pytest.mark.slow
 def test_two_torchrun_nodes_on_localhost():
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     endpoint = f"127.0.0.1:{free_port()}"
@@ -346,6 +352,7 @@ def test_two_torchrun_nodes_on_localhost():
     assert ranks == ["0 world 2 sum 2", "1 world 2 sum 2"]
 
 
+@pytest.mark.slow
 def test_simulated_slurm_step_derives_ranks_from_slurm_variables():
     port = str(free_port())
     tasks = [subprocess.Popen(

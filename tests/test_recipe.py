@@ -26,6 +26,7 @@ def test_bad_settings_are_named(field, value, message):
         DigitsRun(**{field: value})
 
 
+@pytest.mark.slow
 def test_interrupted_and_resumed_run_ends_bitwise_equal_to_a_straight_run(tmp_path):
     straight = launch(train_digits, DigitsRun(**QUICK, checkpoint=tmp_path / "a.pt"), nprocs=2)
     first = launch(train_digits, DigitsRun(**QUICK, checkpoint=tmp_path / "b.pt", stop_after=1),
@@ -43,6 +44,7 @@ def test_interrupted_and_resumed_run_ends_bitwise_equal_to_a_straight_run(tmp_pa
     assert resumed["history"][0]["loss"] == straight["history"][1]["loss"]
 
 
+@pytest.mark.slow
 def test_result_reports_history_settings_and_global_test_metrics():
     result = launch(train_digits, DigitsRun(**QUICK, evaluate_every_epoch=False), nprocs=2)
     assert result["test"]["samples"] == 355          # the whole test split, counted once
@@ -52,6 +54,7 @@ def test_result_reports_history_settings_and_global_test_metrics():
         assert entry["samples_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_accumulation_and_bfloat16_run_end_to_end():
     result = launch(train_digits, DigitsRun(**QUICK, accumulate=2, amp="bfloat16"), nprocs=2)
     assert 0 <= result["test"]["accuracy"] <= 1

@@ -130,5 +130,6 @@ print("replicas agree:", torch.equal(first, second))
 '''
 
 
+@pytest.mark.slow
 def test_torchrun_style_function_defined_in_a_notebook_cell(tmp_path):
     assert run_cells(tmp_path, TORCHRUN_CELL)[0].strip() == "replicas agree: True"

@@ -171,6 +171,7 @@ KILLED_SAVE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_save_killed_mid_write_leaves_previous_checkpoint_intact(tmp_path):
     path = tmp_path / "ckpt.pt"
     model = nn.Linear(4, 2)

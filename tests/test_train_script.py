@@ -16,7 +16,7 @@ SCRIPT = str(ROOT / "scripts" / "train_ddp.py")
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 QUICK = ["--epochs", "2", "--limit", "128", "--global-batch", "64"]
 
-pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.slow]
 
 
 def run(command, timeout=300):

@@ -29,11 +29,13 @@ CHROMIUM_NAMES = ("chromium", "chromium-browser")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                  "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run", "--disable-quic"]
+# make lab's defaults (no news pop-up, no update checks), plus what the test needs.
+OVERRIDES = json.loads((ROOT / "tools" / "jupyterlab_overrides.json").read_text())
 LAB_SETTINGS = {
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
     "@jupyterlab/docmanager-extension/plugin.jupyterlab-settings": {"autosave": False},
-    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {
-        "fetchNews": "false", "checkForUpdates": False},
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings":
+        OVERRIDES["@jupyterlab/apputils-extension:notification"],
 }
 
 
