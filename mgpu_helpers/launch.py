@@ -45,6 +45,9 @@ from .group_reuse import reusing_launched_group
 
 DEFAULT_TIMEOUT_S = 60.0
 TERMINATE_GRACE_S = 2.0
+# After an error that only says a peer went away ("Connection closed by peer"), how long
+# to wait for that peer's own report (the root cause) before stopping every rank.
+PEER_REPORT_GRACE_S = 1.5
 PORT_ATTEMPTS = 3
 STACK_DUMP_WAIT_S = 1.5
 INSIDE_RANK_VAR = "MGPU_LAUNCH_RANK"
@@ -431,6 +434,13 @@ class _Rank:
 _COLLATERAL_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
+def _is_collateral(report: dict) -> bool:
+    """A peer that gave up (a timeout, a crash) closes its connections: the others then
+    fail with "Connection closed by peer", often a moment before the peer's own report.
+    Such an error is never taken for the root cause while another exists."""
+    return any(text in report["message"] for text in _COLLATERAL_ERRORS)
+
+
 def _first_line(text: str) -> str:
     return text.splitlines()[0] if text else ""
 
@@ -466,6 +476,7 @@ class _Supervisor:
         self.deadline = None if join_timeout is None else time.monotonic() + join_timeout
         self.join_timeout = join_timeout
         self.kill_at: float | None = None
+        self.term_at: float | None = None  # when to stop the ranks, after a collateral error
         self.failed = False
         self.selector = selectors.DefaultSelector()
         for rank in ranks:
@@ -486,13 +497,15 @@ class _Supervisor:
             now = time.monotonic()
             if self.deadline is not None and now > self.deadline and not self.failed:
                 self._expire()
+            if self.term_at is not None and now > self.term_at:
+                self._terminate()
             if self.kill_at is not None and now > self.kill_at:
                 self.kill_all(signal.SIGKILL)
                 self.kill_at = None
 
     def _wait_time(self) -> float:
         limits = [0.25]
-        for limit in (self.deadline, self.kill_at):
+        for limit in (self.deadline, self.kill_at, self.term_at):
             if limit is not None:
                 limits.append(max(0.0, limit - time.monotonic()))
         return min(limits)
@@ -511,7 +524,7 @@ class _Supervisor:
                 self.selector.unregister(fileobj)
                 return
             if rank.outcome[0] == "error":
-                self._fail()
+                self._fail(collateral=_is_collateral(rank.outcome[1]))
         else:
             self.selector.unregister(fileobj)
             rank.process.join(timeout=5)
@@ -527,10 +540,21 @@ class _Supervisor:
             except EOFError:
                 pass
 
-    def _fail(self) -> None:
+    def _fail(self, collateral: bool = False) -> None:
+        """Stop every rank: at once, or, when the first error only says that a peer went
+        away, after giving that peer a moment to report why (the root cause)."""
         if self.failed:
+            if not collateral and self.term_at is not None:
+                self._terminate()  # the real cause has arrived
             return
         self.failed = True
+        if collateral:
+            self.term_at = time.monotonic() + PEER_REPORT_GRACE_S
+        else:
+            self._terminate()
+
+    def _terminate(self) -> None:
+        self.term_at = None
         self.kill_all(signal.SIGTERM)
         self.kill_at = time.monotonic() + TERMINATE_GRACE_S
 
@@ -581,17 +605,9 @@ def _failure_message(ranks: list[_Rank]) -> tuple[str, bool]:
             return rank.outcome[1]["failed_at"]
         return rank.exited_at or float("inf")
 
-    def collateral(rank: _Rank) -> bool:
-        # A peer that gave up (a timeout, a crash) closes its connections: the others then
-        # fail with "Connection closed by peer", sometimes stamped a moment before the
-        # peer's own report. Such an error is never the root cause while another exists.
-        report = rank.outcome[1] if rank.outcome and rank.outcome[0] == "error" else None
-        return report is not None and any(text in report["message"]
-                                          for text in _COLLATERAL_ERRORS)
-
     failures = [r for r in ranks if not (r.outcome and r.outcome[0] == "ok")]
     genuine = [r for r in failures if r.outcome and r.outcome[0] == "error"
-               and not collateral(r)]
+               and not _is_collateral(r.outcome[1])]
     root = min(genuine or failures, key=failed_at)
     if root.outcome and root.outcome[0] == "error":
         report = root.outcome[1]

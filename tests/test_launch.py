@@ -202,6 +202,22 @@ def test_a_peers_closed_connection_is_not_taken_for_the_root_cause():
     assert launch_module._failure_message(only_collateral)[0].startswith("rank 1 failed")
 
 
+def peer_gives_up_first():
+    # rank 1 sees the connection close (collateral); rank 0's own error comes a moment later
+    if mh.rank() == 1:
+        raise RuntimeError("[pair.cc:561] Connection closed by peer [127.0.0.1]:41177")
+    time.sleep(0.5)
+    raise RuntimeError("Timed out waiting 5000ms for recv operation to complete")
+
+
+def test_the_launcher_waits_for_the_root_cause_after_a_collateral_error():
+    # Before, the first error stopped every rank at once: rank 0 was killed before it could
+    # report its timeout, and the launch blamed rank 1's closed connection.
+    with pytest.raises(LaunchError) as caught:
+        launch(peer_gives_up_first, nprocs=2, backend="gloo", join_timeout=60)
+    assert str(caught.value).startswith("rank 0 failed: RuntimeError: Timed out waiting")
+
+
 def rank0_raises():
     if mh.rank() == 0:
         raise KeyError("missing")
