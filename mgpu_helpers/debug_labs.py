@@ -2,23 +2,32 @@
 
 Each ``lab_*`` function runs inside a rank (``launch(lab_..., nprocs=2, timeout=...)``).
 With ``fixed=False`` it contains the bug and fails (or returns evidence of it) within the
-launch's timeout; with ``fixed=True`` it runs the corrected code. They are small on
-purpose: the point is the symptom, the tool that finds the cause, and the fix.
+launch's ``timeout`` (the group's: the labs that hang wait exactly that long, so a short
+one makes them fail fast); with ``fixed=True`` it runs the corrected code. They are small
+on purpose: the point is the symptom, the tool that finds the cause, and the fix.
+
+:func:`failure_summary` condenses a failed lab's report to the phrases that carry its
+lesson, identical on every run and machine (the full report varies: which rank reported
+first, gloo's source paths, timestamps).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import re
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
+from torchvision import transforms
 
-from .data.loading import loader_generator
+from .data.loading import loader_generator, seed_worker
 from .dist import rank, world_size
 
 BUSY_SECONDS = 60  # how long a "busy" rank would stay away: far beyond every timeout
@@ -45,6 +54,59 @@ def distributed_debug(level: str = "DETAIL"):
         else:
             os.environ["TORCH_DISTRIBUTED_DEBUG"] = before
         dist.set_debug_level_from_env()
+
+
+# ------------------------------------------------------------ reading failures
+
+#: Phrases that carry a lab's lesson, as they appear in the launcher's report or in
+#: what the ranks printed before dying; :func:`failure_summary` quotes those it finds.
+LESSON_PHRASES = (
+    r"Rank \d+ failed to pass monitoredBarrier in \d+ ms",
+    r"Timed out waiting \d+ms for \w+ operation",
+    r"Expected to have finished reduction in the prior iteration",
+    r"find_unused_parameters=True",
+    r"Received data size doesn't match expected size",
+)
+_FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\("
+                          r"SequenceNumber=\d+, OpType=(\w+), TensorShape=\[([^\]]*)\]")
+# "rank 1 killed by signal SIGKILL" (the root cause) or "  rank 1: killed by ..." (another
+# rank); SIGTERM is the launcher stopping the others, not a cause.
+_KILLED = re.compile(r"rank (\d+):? killed by signal (SIG(?!TERM\b)\w+)")
+_ROOT_ERROR = re.compile(r"rank \d+ failed: (\w+): ")
+
+
+def failure_summary(report: str, rank_output: str = "") -> str:
+    """One line that says what went wrong, the same on every run and every machine.
+
+    ``report`` is a ``LaunchError``'s text, ``rank_output`` what the ranks printed (gloo
+    prints its last words there before aborting). The line names a rank killed by a
+    signal, else the first failing rank's exception type; then the collectives each rank
+    was running (from ``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s report, in rank order) and the
+    :data:`LESSON_PHRASES` found. Left out on purpose: which rank reported first (two
+    ranks that time out together race for it), gloo's source paths, timestamps.
+    """
+    killed = sorted(set(_KILLED.findall(report)), key=lambda found: int(found[0]))
+    if killed:
+        head = ", ".join(f"rank {index} killed by signal {name}" for index, name in killed)
+    else:
+        root = _ROOT_ERROR.match(report)
+        head = root.group(1) if root else "failed"
+    details = []
+    fingerprints = sorted(set(_FINGERPRINT.findall(report)), key=lambda f: int(f[0]))
+    if fingerprints:
+        details.append("Detected mismatch between collectives: " + ", ".join(
+            f"rank {index} {op} of shape [{shape}]" for index, op, shape in fingerprints))
+    text = f"{report}\n{rank_output}"
+    phrases = [found.group(0) for pattern in LESSON_PHRASES
+               if (found := re.search(pattern, text))]
+    if any("monitoredBarrier" in phrase for phrase in phrases):
+        # the barrier quotes its own wait's timeout as the cause, in the time it had left
+        # (2000 ms, or 1999): the barrier's message, naming who is missing, says it all
+        phrases = [phrase for phrase in phrases if not phrase.startswith("Timed out")]
+    details += phrases
+    if not details and not killed:  # an unexpected error: the launcher's first line
+        details.append(_ROOT_ERROR.sub("", report.splitlines()[0]) if report else "no report")
+    return ": ".join([head, " ... ".join(details)] if details else [head])
 
 
 # ------------------------------------------------------------ hangs
@@ -112,14 +174,30 @@ class TwoHeads(nn.Module):
         return self.head(torch.relu(self.body(x)))
 
 
-def lab_unused_parameter(fix: str | None = None, steps: int = 20) -> float:
+@dataclass
+class DDPSteps:
+    """What one rank saw while training with DDP: its cost and what DDP's reducer did.
+
+    The reducer's numbers come from DDP's own debugging record
+    (``DistributedDataParallel._get_ddp_logging_data()``, a prototype interface that
+    DDP's documentation points to for exactly this kind of check).
+    """
+
+    seconds_per_step: float
+    reduced_bytes: int          # gradient bytes all-reduced per step (every parameter's)
+    found_unused_bytes: int     # bytes of parameters the graph search found unused
+    buckets_rebuilt: bool       # DDP re-ordered its buckets after step 1 (an optimisation)
+    trained: dict[str, torch.Tensor]  # the final weights of the parameters the loss uses
+
+
+def lab_unused_parameter(fix: str | None = None, steps: int = 20) -> DDPSteps:
     """DDP waits for a gradient from every parameter before it finishes a step. One that
     never gets one leaves the reduction unfinished, and the next step raises.
 
     ``fix="find_unused"`` passes ``find_unused_parameters=True``: DDP then searches the
     autograd graph after every forward pass and marks unused parameters ready (correct,
     at a cost). ``fix="remove"`` deletes the unused head before wrapping (the real fix
-    when the head is not needed). Returns seconds per training step.
+    when the head is not needed).
     """
     if fix not in (None, "find_unused", "remove"):
         raise ValueError(f"fix must be None, 'find_unused' or 'remove', got {fix!r}")
@@ -135,18 +213,40 @@ def lab_unused_parameter(fix: str | None = None, steps: int = 20) -> float:
         optimizer.zero_grad()
         model(x).square().mean().backward()
         optimizer.step()
-    return (time.perf_counter() - start) / steps
+    seconds = (time.perf_counter() - start) / steps
+    record = model._get_ddp_logging_data()
+    return DDPSteps(
+        seconds_per_step=seconds, reduced_bytes=record["total_parameter_size_bytes"],
+        found_unused_bytes=record["unused_parameter_size"],
+        buckets_rebuilt=bool(record["has_rebuilt_buckets"]),
+        trained={name: tensor.detach().clone() for name, tensor in module.state_dict().items()
+                 if not name.startswith("unused_head.")})
 
 
 # ---------------------------------------------------- randomness per rank
 
 
 def replicas_agree(model: nn.Module) -> bool:
-    """Inside a rank: do all ranks hold the same weights? (all_gather of a checksum)"""
-    checksum = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum()
-    gathered = [torch.zeros((), dtype=torch.float64) for _ in range(world_size())]
-    dist.all_gather(gathered, checksum.reshape(()))
-    return all(torch.equal(gathered[0], other) for other in gathered[1:])
+    """Inside a rank: do all ranks hold exactly the same parameters? Every rank returns
+    the same answer.
+
+    Every byte of every parameter is compared with rank 0's (one broadcast), so weights
+    that are permuted, or differ in ways that cancel in a sum, are caught too; a checksum
+    (the sum of all weights) would miss both.
+    """
+    as_bytes = [p.detach().contiguous().reshape(-1).view(torch.uint8)
+                for p in model.parameters()]
+    device = as_bytes[0].device if as_bytes else torch.device("cpu")
+    mine = torch.cat(as_bytes) if as_bytes else torch.zeros(0, dtype=torch.uint8, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size())]
+    dist.all_gather(sizes, torch.tensor([mine.numel()], device=device))
+    if any(size.item() != mine.numel() for size in sizes):
+        return False  # every rank sees the same sizes, so all of them return here
+    reference = mine.clone()
+    dist.broadcast(reference, src=0)
+    agree = torch.tensor([int(torch.equal(reference, mine))], device=device)
+    dist.all_reduce(agree, op=dist.ReduceOp.MIN)
+    return bool(agree.item())
 
 
 def lab_rank_dependent_init(fixed: bool = False) -> bool:
@@ -161,10 +261,37 @@ def lab_rank_dependent_init(fixed: bool = False) -> bool:
     return replicas_agree(model)
 
 
-def lab_identical_augmentation(fixed: bool = False, samples: int = 8) -> list[float]:
-    """Each rank draws the rotation angles of its own samples. With one loader seed on
-    every rank, all ranks apply the *same* random sequence to different images; the
-    fix seeds per rank (``loader_generator(seed, rank)``). Returns the angles drawn."""
-    generator = loader_generator(0, rank() if fixed else 0)
-    return [float(torch.empty(1).uniform_(-30, 30, generator=generator))
-            for _ in range(samples)]
+class AugmentationDraws(Dataset):
+    """Stands in for an augmenting dataset: each sample draws its rotation angle exactly
+    as torchvision's ``RandomAffine`` does (from torch's random generator, which the
+    DataLoader seeds in each worker) and returns what it drew instead of an image."""
+
+    def __init__(self, size: int, degrees: float = 30.0):
+        self.size = size
+        self.degrees = degrees
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[int, int, float]:
+        angle, _, _, _ = transforms.RandomAffine.get_params(
+            degrees=[-self.degrees, self.degrees], translate=None, scale_ranges=None,
+            shears=None, img_size=[28, 28])
+        worker = get_worker_info()
+        return index, worker.id if worker is not None else -1, angle
+
+
+def lab_identical_augmentation(fixed: bool = False, samples_per_rank: int = 8,
+                               seed: int = 0) -> list[tuple[int, int, float]]:
+    """Each rank loads its own samples (``DistributedSampler``) with 2 DataLoader
+    workers, and every sample draws a rotation angle. The DataLoader seeds each worker
+    from the loader's generator plus the worker's id, so the workers of one rank differ;
+    with the same generator seed on every rank (the bug), the ranks draw the same angles
+    for their different samples. The fix seeds each rank's loader differently
+    (``loader_generator(seed, rank)``). Returns ``(sample, worker, angle)`` for every
+    sample, in the order loaded."""
+    dataset = AugmentationDraws(samples_per_rank * world_size())
+    loader = DataLoader(dataset, batch_size=2, sampler=DistributedSampler(dataset, shuffle=False),
+                        num_workers=2, collate_fn=list, worker_init_fn=seed_worker,
+                        generator=loader_generator(seed, rank() if fixed else 0))
+    return [draw for batch in loader for draw in batch]
