@@ -75,6 +75,7 @@ class DigitsRun:
     augment: bool = True
     evaluate_every_epoch: bool = True
     progress: bool = True
+    verbose: bool = True  # rank 0 prints the batch plan, each epoch's metrics, the test result
     die_at_epoch: int | None = None
     die_rank: int = 1
 
@@ -168,6 +169,7 @@ def train_digits(run: DigitsRun) -> dict:
     low_precision = amp_dtype(run.amp, device)
     scaler = (torch.amp.GradScaler(device.type) if low_precision == torch.float16 else None)
 
+    say = print0 if run.verbose else (lambda *args, **kwargs: None)
     start_epoch = 0
     if run.checkpoint is not None and run.checkpoint.exists():
         state = load_checkpoint(run.checkpoint, ddp_model, optimizer, restore_rng=False)
@@ -175,10 +177,10 @@ def train_digits(run: DigitsRun) -> dict:
         scheduler.load_state_dict(state["extra"]["scheduler"])
         if scaler is not None and "scaler" in state["extra"]:
             scaler.load_state_dict(state["extra"]["scaler"])
-        print0(f"resuming from {run.checkpoint} at epoch {start_epoch}")
-    print0(f"global batch {batches.global_batch} = {world_size()} rank(s) x "
-           f"{batches.per_rank}" + (f" x {run.accumulate} accumulated" if run.accumulate > 1
-                                    else "") + f"; peak learning rate {batches.lr:.2g}")
+        say(f"resuming from {run.checkpoint} at epoch {start_epoch}")
+    say(f"global batch {batches.global_batch} = {world_size()} rank(s) x "
+        f"{batches.per_rank}" + (f" x {run.accumulate} accumulated" if run.accumulate > 1
+                                 else "") + f"; peak learning rate {batches.lr:.2g}")
 
     last_epoch = run.epochs if run.stop_after is None else min(run.epochs, run.stop_after)
     history = []
@@ -209,11 +211,11 @@ def train_digits(run: DigitsRun) -> dict:
         if run.evaluate_every_epoch:
             entry["test_accuracy"] = evaluate(model, test_set, device=device).accuracy
             message += f"; test accuracy {entry['test_accuracy']:.2%}"
-        print0(message)
+        say(message)
         history.append(entry)
 
     result = evaluate(model, test_set, device=device)
-    print0(f"test {result}")
+    say(f"test {result}")
     settings = {key: str(value) if isinstance(value, Path) else value
                 for key, value in asdict(run).items()}
     return {"settings": settings, "history": history, "test": {

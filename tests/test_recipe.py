@@ -27,11 +27,12 @@ def test_bad_settings_are_named(field, value, message):
 
 
 @pytest.mark.slow
-def test_interrupted_and_resumed_run_ends_bitwise_equal_to_a_straight_run(tmp_path):
+def test_interrupted_and_resumed_run_ends_bitwise_equal_to_a_straight_run(tmp_path, capsys):
     straight = launch(train_digits, DigitsRun(**QUICK, checkpoint=tmp_path / "a.pt"), nprocs=2)
     first = launch(train_digits, DigitsRun(**QUICK, checkpoint=tmp_path / "b.pt", stop_after=1),
                    nprocs=2)
     resumed = launch(train_digits, DigitsRun(**QUICK, checkpoint=tmp_path / "b.pt"), nprocs=2)
+    assert f"[rank 0] resuming from {tmp_path / 'b.pt'} at epoch 1" in capsys.readouterr().out
     assert [e["epoch"] for e in straight["history"]] == [0, 1]
     assert [e["epoch"] for e in first["history"]] == [0]
     assert [e["epoch"] for e in resumed["history"]] == [1]
@@ -45,8 +46,10 @@ def test_interrupted_and_resumed_run_ends_bitwise_equal_to_a_straight_run(tmp_pa
 
 
 @pytest.mark.slow
-def test_result_reports_history_settings_and_global_test_metrics():
-    result = launch(train_digits, DigitsRun(**QUICK, evaluate_every_epoch=False), nprocs=2)
+def test_result_reports_history_settings_and_global_test_metrics(capsys):
+    result = launch(train_digits, DigitsRun(**QUICK, evaluate_every_epoch=False, verbose=False),
+                    nprocs=2)
+    assert "[rank 0]" not in capsys.readouterr().out  # verbose=False: rank 0 prints nothing
     assert result["test"]["samples"] == 355          # the whole test split, counted once
     assert result["settings"]["epochs"] == 2 and result["settings"]["checkpoint"] is None
     for entry in result["history"]:
