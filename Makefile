@@ -14,8 +14,8 @@ LAB_PORT ?= 8888
 # Jupyter refuses to start as root (containers often run as root) unless told to.
 LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab test check lint unit nbval browser gpu-check gpu-wheels notebooks nav bench \
-  figures screenshots pins clean
+.PHONY: venv lab test check lint unit nbval nbval-kernels browser gpu-check gpu-wheels notebooks \
+  nav bench figures screenshots pins clean
 
 venv: $(STAMP)
 
@@ -44,7 +44,7 @@ lab: $(STAMP) $(LAB_OVERRIDES)
 	  --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/$(LANDING) \
 	  $(LAB_ROOT_FLAG)
 
-test: lint unit nbval browser gpu-check
+test: lint unit nbval browser
 
 # The fast tier, for contributors between commits: lint and the unit tests not marked
 # slow (no trainings, JupyterLab, torchrun or long waits). `make test` before pushing.
@@ -62,8 +62,22 @@ unit: $(STAMP)
 browser: $(STAMP)
 	$(BIN)/pytest tests/browser
 
+# Chapters whose compared outputs are computed numbers run on PyTorch's generic kernels
+# (ATEN_CPU_CAPABILITY=default), standing in for another CPU: their outputs were stored
+# with this machine's best kernels, so a number printed past its precision fails here.
+# Chapter 04 is numeric too but its training takes 2.5x as long there: it runs on the best
+# kernels here; `make nbval-kernels` runs every chapter on KERNELS (default, or avx2...).
+KERNELS ?= default
+NBVAL_GENERIC := $(wildcard notebooks/02_*.ipynb notebooks/03_*.ipynb notebooks/05_*.ipynb \
+  notebooks/06_*.ipynb)
 nbval: $(STAMP)
-	$(WITH_NB_ENV) $(BIN)/pytest $(NBVAL_FLAGS) $(NOTEBOOKS)
+	$(if $(filter-out $(NBVAL_GENERIC),$(NOTEBOOKS)),$(WITH_NB_ENV) $(BIN)/pytest $(NBVAL_FLAGS) \
+	  $(filter-out $(NBVAL_GENERIC),$(NOTEBOOKS)))
+	$(if $(filter $(NBVAL_GENERIC),$(NOTEBOOKS)),ATEN_CPU_CAPABILITY=$(KERNELS) $(WITH_NB_ENV) \
+	  $(BIN)/pytest $(NBVAL_FLAGS) $(filter $(NBVAL_GENERIC),$(NOTEBOOKS)))
+
+nbval-kernels: $(STAMP)
+	ATEN_CPU_CAPABILITY=$(KERNELS) $(WITH_NB_ENV) $(BIN)/pytest $(NBVAL_FLAGS) $(NOTEBOOKS)
 
 # Does every chapter work here, GPUs included? Runs each chapter top to bottom (no Jupyter
 # needed) and scripts/train_ddp.py under torchrun, on the PyTorch of .venv if there is one,

@@ -269,6 +269,8 @@ def _become_rank(stdout_conn, stderr_conn) -> None:
     stdout_conn.close()
     stderr_conn.close()
     sys.stdout, sys.stderr = _text_stream(1), _text_stream(2)
+    if faulthandler.is_enabled():  # inherited (pytest enables it): dump into this rank's
+        faulthandler.enable(file=sys.stderr, all_threads=True)  # stderr, not the parent's
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
 
@@ -368,6 +370,7 @@ class _Rank:
     partial: dict = field(default_factory=lambda: {"stdout": b"", "stderr": b""})
     outcome: tuple | None = None  # ("ok", bytes) or ("error", report dict)
     exited_at: float | None = None
+    stopped: bool = False  # the launcher signalled it while it still ran
     capture: list[str] | None = None  # collects stderr lines while dumping stacks
 
     def signal_tree(self, signum: int) -> None:
@@ -561,6 +564,7 @@ class _Supervisor:
     def kill_all(self, signum: int) -> None:
         for rank in self.ranks:
             if rank.process.exitcode is None:
+                rank.stopped = True
                 rank.signal_tree(signum)
 
     def _expire(self) -> None:
@@ -605,10 +609,16 @@ def _failure_message(ranks: list[_Rank]) -> tuple[str, bool]:
             return rank.outcome[1]["failed_at"]
         return rank.exited_at or float("inf")
 
+    # The root cause, in this order: the earliest error a rank raised itself; else the
+    # first rank that died without a report (a crash, os._exit, a signal from outside)
+    # and was not stopped by the launcher; else whatever failed first. An error that only
+    # says a peer went away is the echo of another rank's death: it comes last. Ranks'
+    # clocks are compared with ranks' clocks, exits noticed by the launcher with each other.
     failures = [r for r in ranks if not (r.outcome and r.outcome[0] == "ok")]
-    genuine = [r for r in failures if r.outcome and r.outcome[0] == "error"
-               and not _is_collateral(r.outcome[1])]
-    root = min(genuine or failures, key=failed_at)
+    errors = [r for r in failures if r.outcome and r.outcome[0] == "error"]
+    genuine = [r for r in errors if not _is_collateral(r.outcome[1])]
+    died = [r for r in failures if r not in errors and not r.stopped]
+    root = min(genuine or died or failures, key=failed_at)
     if root.outcome and root.outcome[0] == "error":
         report = root.outcome[1]
         head = f"rank {root.index} failed: {report['type']}: {_first_line(report['message'])}"

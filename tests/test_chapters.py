@@ -212,3 +212,18 @@ def test_readme_states_each_chapters_gpu_path_as_recorded():
         assert row.group(1) == chapters.gpu_status(chapter), (
             f"README says {row.group(1)!r} for chapter {chapter.number}; its last recorded "
             f"GPU check says {chapters.gpu_status(chapter)!r}")
+
+
+@pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")),
+                         ids=lambda p: p.stem)
+def test_every_code_cell_is_plain_python_as_gpu_check_runs_it(path):
+    # `make gpu-check` (tools/gpu_check.py) executes each code cell with exec(), outside
+    # IPython: a magic (%time, !pip) or other IPython-only syntax would pass nbval and fail
+    # there, on the GPU node. Its runner is tested on small notebooks in test_gpu_check.py.
+    for index, cell in enumerate(json.loads(path.read_text())["cells"]):
+        if cell["cell_type"] == "code":
+            source = "".join(cell["source"])
+            try:
+                compile(source, f"{path.stem} cell {index}", "exec")
+            except SyntaxError as error:
+                pytest.fail(f"{path.name} cell {index} is not plain Python: {error}")

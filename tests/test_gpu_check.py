@@ -1,7 +1,7 @@
 """tools/gpu_check.py, the runner behind `make gpu-check`, on small notebooks.
 
-`make test` also runs `make gpu-check` itself on this CPU machine: every chapter and the
-torchrun script, so the runner is known to work before it meets a GPU.
+The chapters themselves run under nbval in `make test`; that every one of their code cells
+is plain Python, as this runner executes them, is checked in test_chapters.py.
 """
 
 import json

@@ -202,6 +202,21 @@ def test_a_peers_closed_connection_is_not_taken_for_the_root_cause():
     assert launch_module._failure_message(only_collateral)[0].startswith("rank 1 failed")
 
 
+def test_a_rank_that_died_is_blamed_over_the_peer_that_saw_its_connection_reset():
+    # Seen under load: rank 1 called os._exit(3); rank 0's "Connection reset by peer" was
+    # stamped (rank 0's clock) before the launcher noticed rank 1's exit (its own clock).
+    reset = failed_rank(0, "Read error [127.0.0.1]:5557: Connection reset by peer", 10.0)
+    died = launch_module._Rank(1, SimpleNamespace(exitcode=3), None, None, None,
+                               exited_at=10.5)
+    message, _ = launch_module._failure_message([reset, died])
+    assert message.startswith("rank 1 exited with code 3 without returning a result")
+    # A rank the launcher stopped (SIGTERM after the failure) is never the root cause.
+    stopped = launch_module._Rank(1, SimpleNamespace(exitcode=-15), None, None, None,
+                                  exited_at=10.5, stopped=True)
+    message, _ = launch_module._failure_message([reset, stopped])
+    assert message.startswith("rank 0 failed: RuntimeError: Read error")
+
+
 def peer_gives_up_first():
     # rank 1 sees the connection close (collateral); rank 0's own error comes a moment later
     if mh.rank() == 1:

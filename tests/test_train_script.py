@@ -37,32 +37,32 @@ def assert_same_weights(a, b):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    checkpoint = tmp_path_factory.mktemp("runs") / "straight.pt"
-    output = run([TORCHRUN, "--standalone", "--nproc-per-node", "2", SCRIPT, *QUICK,
+    """The reference run: the script from a plain process, which launches its own ranks
+    (as `python scripts/train_ddp.py --nprocs 2` in the README)."""
+    checkpoint = tmp_path_factory.mktemp("runs") / "launched.pt"
+    output = run([sys.executable, SCRIPT, "--nprocs", "2", *QUICK,
                   "--checkpoint", str(checkpoint)])
     assert "epoch 1: train" in output and "test loss" in output
     return checkpoint
 
 
-def test_torchrun_standalone_trains_two_epochs(uninterrupted):
+def test_launch_from_a_plain_process_trains_two_epochs_on_two_ranks(uninterrupted):
     state = torch.load(uninterrupted, weights_only=True)
     assert (state["epoch"], state["world_size"]) == (2, 2)
 
 
-def test_launch_from_a_plain_process_gives_the_same_weights(uninterrupted, tmp_path):
-    checkpoint = tmp_path / "launched.pt"
-    run([sys.executable, SCRIPT, "--nprocs", "2", *QUICK, "--checkpoint", str(checkpoint)])
-    assert_same_weights(weights(checkpoint), weights(uninterrupted))
-
-
-def test_killed_rank_restarts_resumes_and_matches_the_uninterrupted_run(uninterrupted,
-                                                                         tmp_path):
+def test_torchrun_restarts_a_killed_rank_resumes_and_matches_the_uninterrupted_run(
+        uninterrupted, tmp_path):
+    # torchrun --standalone, as on one node; a rank killed in epoch 1 takes the group
+    # down, torchrun restarts both, and they resume from epoch 0's checkpoint.
     checkpoint = tmp_path / "restarted.pt"
     output = run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
                   SCRIPT, *QUICK, "--checkpoint", str(checkpoint),
                   "--die-at-epoch", "1", "--die-rank", "1"])
     assert "resuming from" in output and "at epoch 1" in output
-    assert_same_weights(weights(checkpoint), weights(uninterrupted))
+    state = torch.load(checkpoint, weights_only=True)
+    assert (state["epoch"], state["world_size"]) == (2, 2)
+    assert_same_weights(state["model"], weights(uninterrupted))
 
 
 def free_port():
