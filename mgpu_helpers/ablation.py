@@ -1,38 +1,73 @@
-"""Chapter 07's ablation: training throughput with each optimisation switched off in turn.
+"""Chapter 07's ablation: training throughput with each optimisation switched off in turn,
+judged against an A/A control instead of a fixed threshold.
 
-The tuned configuration switches every optimisation on; each variant switches exactly
-one off. Every run is :func:`mgpu_helpers.throughput.timed_epoch` (chapter 04's DDP
-pipeline) on the ranks `measure` is given (2 CPU ranks by default).
+The tuned configuration ("all on") switches every optimisation on; each variant switches
+exactly one off. Every run is :func:`mgpu_helpers.throughput.timed_epoch` (chapter 04's DDP
+pipeline) on the ranks :func:`measure` is given (2 CPU ranks by default).
+
+How a shared, drifting machine is kept from deciding the verdicts:
+
+* **Interleaved rounds.** A round measures every variant once, in one launch of the
+  ranks, in the order :func:`round_order` gives: even rounds forward, odd rounds
+  reversed, each pair of rounds rotated. Slow drift then hits every variant alike
+  instead of whichever happened to run last, and over a pair of rounds every variant's
+  mean position in the round is the same.
+* **An A/A control.** "All on" is measured twice per round, half a round apart
+  (:data:`BASELINE` and :data:`CONTROL`): the same configuration, so the two runs differ
+  by noise alone.
+* **The noise band.** ``h = max over rounds of |log(control / baseline)|``, the largest
+  disagreement of the two identical runs in any round; the band is
+  ``[exp(-h), exp(h)]`` around 1.0x (:func:`noise_band`).
+* **Ratios.** In each round, a variant's throughput over the geometric mean of that
+  round's two "all on" runs (:func:`round_ratios`).
+* **Verdicts** (:func:`verdict`), about the optimisation the variant switches off:
+  "pays" when the ratio is below the band in *every* round (switching it off was slower,
+  by more than the A/A control ever differed from itself), "costs" when it is above the
+  band in every round, and "within noise" otherwise: inside the band in some round, or
+  on different sides in different rounds.
 """
 
 from __future__ import annotations
 
+import gc
+import math
 import statistics
 from dataclasses import asdict, replace
 
+from .data import prepare_digits
 from .launch import launch
 from .throughput import TrainingOptions, timed_epoch
 
-# The tuned configuration: every optimisation on.
+# The tuned configuration: every optimisation on. bucket_cap_mb=25 is DDP's default bucket
+# size: the seed CNN's gradients fall into two buckets (fc layers' 33.6 MB first, then the
+# convolutions'), so the fc bucket's all-reduce overlaps the convolutions' backward.
+# (Passed explicitly, 25 also caps DDP's first bucket, which is 1 MB by default; for this
+# model both give the same two buckets.)
 TUNED = TrainingOptions(workers=1, pin_memory=True, amp="auto", channels_last=True,
-                        bucket_cap_mb=100, gradient_as_bucket_view=True, static_graph=True,
+                        bucket_cap_mb=25, gradient_as_bucket_view=True, static_graph=True,
                         accumulate=4)
 
+BASELINE = "all on (tuned)"
+CONTROL = "all on again (A/A control)"
 
 # What "off" means for each optimisation, and why it may only pay on GPUs.
 SWITCHED_OFF = {
     "loader workers": ({"workers": 0}, None),
     "pinned memory": ({"pin_memory": False},
                       "only with a GPU: pinning speeds up host-to-GPU copies; without one "
-                      "there is no copy, and PyTorch ignores it"),
+                      "there is no copy and PyTorch ignores it, so this variant behaves "
+                      "exactly like all on (a second A/A control)"),
     "mixed precision": ({"amp": None},
                         "pays on GPUs with tensor cores (bf16, or fp16 with a scaler on "
-                        "older GPUs); on CPUs without native bf16 instructions the "
-                        "conversions cost more than they save"),
+                        "older GPUs); on CPUs it depends on native bf16 instructions "
+                        "(AVX512-BF16, AMX): without them the conversions cost more than "
+                        "they save"),
     "channels_last": ({"channels_last": False},
                       "pays mostly on GPUs (tensor cores want NHWC); on CPUs it depends on "
                       "the convolution kernels"),
-    "one big DDP bucket": ({"bucket_cap_mb": 25}, None),
+    # one bucket is only ready when the whole backward has finished: its all-reduce
+    # cannot overlap any of the backward
+    "overlap (one 100 MB bucket)": ({"bucket_cap_mb": 100}, None),
     "gradient_as_bucket_view": ({"gradient_as_bucket_view": False}, None),
     "static_graph": ({"static_graph": False}, None),
     "gradient accumulation x4": ({"accumulate": 1}, None),
@@ -40,59 +75,229 @@ SWITCHED_OFF = {
 
 
 def variants() -> dict[str, TrainingOptions]:
-    """The tuned configuration, then one variant per optimisation switched off."""
-    return {"all on (tuned)": TUNED} | {
-        f"without {name}": replace(TUNED, **change) for name, (change, _) in
-        SWITCHED_OFF.items()}
+    """The tuned configuration, its A/A control (the same options, measured again), then
+    one variant per optimisation switched off. The control sits in the middle, so that
+    within a round it runs half a round after the baseline."""
+    off = {f"without {name}": replace(TUNED, **change)
+           for name, (change, _) in SWITCHED_OFF.items()}
+    names = list(off)
+    half = len(names) // 2
+    return ({BASELINE: TUNED} | {name: off[name] for name in names[:half]}
+            | {CONTROL: TUNED} | {name: off[name] for name in names[half:]})
 
 
-def measure(per_rank_samples: int = 256, batch_size: int = 32, repeats: int = 1,
+def round_order(names: list[str], round_index: int, rounds: int) -> list[str]:
+    """The order in which round ``round_index`` (of ``rounds``) measures ``names``.
+
+    Rounds come in pairs: the second of a pair runs the first's order backwards, so over
+    the pair every name's mean position is the same (linear drift cancels); each pair is
+    rotated further, so that different names open the round.
+    """
+    if rounds < 1 or not 0 <= round_index < rounds:
+        raise ValueError(f"round_index must be in 0..{rounds - 1}, got {round_index}")
+    pairs = (rounds + 1) // 2
+    shift = (round_index // 2) * len(names) // pairs
+    order = list(names[shift:]) + list(names[:shift])
+    return order[::-1] if round_index % 2 else order
+
+
+def noise_band(baseline: list[float], control: list[float]) -> float:
+    """``h``: the largest ``|log(control / baseline)|`` over the rounds (the A/A spread).
+    The band is ``[exp(-h), exp(h)]``."""
+    if len(baseline) != len(control) or len(baseline) < 2:
+        raise ValueError("the A/A control needs at least 2 rounds, with one baseline and "
+                         f"one control run each; got {len(baseline)} and {len(control)}")
+    if min(baseline + control) <= 0:
+        raise ValueError("throughputs must be positive")
+    return max(abs(math.log(c / b)) for b, c in zip(baseline, control, strict=True))
+
+
+def round_ratios(runs: list[float], baseline: list[float],
+                 control: list[float]) -> list[float]:
+    """Per round: ``runs[r]`` over the geometric mean of that round's two all-on runs."""
+    if not len(runs) == len(baseline) == len(control):
+        raise ValueError("one run per round for the variant, the baseline and the control")
+    return [v / math.sqrt(b * c) for v, b, c in zip(runs, baseline, control, strict=True)]
+
+
+def verdict(ratios: list[float], half_width: float) -> str:
+    """"pays" if every ratio is below ``exp(-half_width)``, "costs" if every ratio is above
+    ``exp(half_width)``, else "within noise". (For a variant that switches an
+    optimisation off: below the band means the optimisation pays.)"""
+    if not ratios or half_width < 0:
+        raise ValueError("need at least one ratio and a band half-width >= 0")
+    low, high = math.exp(-half_width), math.exp(half_width)
+    if all(r < low for r in ratios):
+        return "pays"
+    if all(r > high for r in ratios):
+        return "costs"
+    return "within noise"
+
+
+def judge(runs: dict[str, list[float]]) -> tuple[float, list[dict]]:
+    """From every name's runs (one per round, same round order): the band's half-width
+    ``h`` and a row per name (baseline, control, then the variants) with its per-round
+    ratios, median ratio and verdict (None for the baseline and the control, which
+    define the band)."""
+    h = noise_band(runs[BASELINE], runs[CONTROL])
+    rows = []
+    names = [BASELINE, CONTROL] + [name for name in runs if name not in (BASELINE, CONTROL)]
+    for name in names:
+        values = runs[name]
+        ratios = round_ratios(values, runs[BASELINE], runs[CONTROL])
+        rows.append({"variant": name, "runs": values, "ratios": ratios,
+                     "samples_per_s": statistics.median(values),
+                     "relative_to_tuned": statistics.median(ratios),
+                     "verdict": None if name in (BASELINE, CONTROL) else verdict(ratios, h)})
+    return h, rows
+
+
+def false_verdict_rate(rounds: int, trials: int = 20_000, seed: int = 0) -> float:
+    """How often :func:`verdict` calls a variant that changes nothing "pays" or "costs".
+
+    Simulated: in every round the baseline, the control and the variant share one drift
+    factor and each gets its own independent log-normal noise. Both cancel out of the
+    rule's scale (the band and the ratios are ratios), so the rate depends on the number
+    of rounds only, not on how noisy the machine is.
+    """
+    import random
+
+    if rounds < 2 or trials < 1:
+        raise ValueError("need rounds >= 2 and trials >= 1")
+    rng = random.Random(seed)
+    false = 0
+    for _ in range(trials):
+        drift = [math.exp(rng.gauss(0, 0.2)) for _ in range(rounds)]
+        baseline, control, variant = ([d * math.exp(rng.gauss(0, 0.05)) for d in drift]
+                                      for _ in range(3))
+        h = noise_band(baseline, control)
+        false += verdict(round_ratios(variant, baseline, control), h) != "within noise"
+    return false / trials
+
+
+def _timed_round(options: list[TrainingOptions], per_rank_samples: int, batch_size: int,
+                 warmup_batches: int) -> list[float]:
+    """Inside a rank: one timed epoch per entry of ``options``, in that order."""
+    rates = []
+    for choice in options:
+        rates.append(timed_epoch(choice, per_rank_samples, batch_size, warmup_batches))
+        gc.collect()  # the previous run's loader workers are gone before the next starts
+    return rates
+
+
+def measure(per_rank_samples: int = 256, batch_size: int = 32, rounds: int = 3,
             warmup_batches: int = 4, nprocs: int = 2, backend: str = "gloo",
             progress=None) -> dict:
-    """Throughput of every variant (round-robin over ``repeats`` rounds; medians).
+    """Throughput of every variant over ``rounds`` interleaved rounds, and the verdicts.
 
-    Returns ``{"rows": [{"variant", "options", "runs", "samples_per_s",
-    "relative_to_tuned", "gpu_only"}], settings...}``.
+    Each round is one launch of ``nprocs`` ranks that runs every variant once, in
+    :func:`round_order`. ``progress(round_index, order, rates)`` is called after each
+    round. Returns ``{"rows": [{"variant", "options", "runs", "ratios", "samples_per_s",
+    "relative_to_tuned", "verdict", "gpu_only"}], "band": {"half_width_log", "low",
+    "high"}, "orders": [...], "rounds", "per_rank_samples", "batch_size", "ranks"}``.
     """
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    runs = {name: [] for name in variants()}
-    for round_index in range(repeats):
-        for name, options in variants().items():
-            runs[name].append(launch(timed_epoch, options, per_rank_samples, batch_size,
-                                     warmup_batches, nprocs=nprocs, backend=backend))
-            if progress is not None:
-                progress(round_index, name, runs[name][-1])
-    tuned = statistics.median(runs["all on (tuned)"])
+    if rounds < 2:
+        raise ValueError(f"rounds must be >= 2 (the A/A noise band needs two), got {rounds}")
+    if warmup_batches * batch_size > per_rank_samples:
+        raise ValueError(f"the warm-up ({warmup_batches} x {batch_size}) must fit in the "
+                         f"{per_rank_samples} samples per rank")
+    prepare_digits(progress=False)  # once, here: the ranks inherit it instead of each round
+    options = variants()
+    names = list(options)
+    runs = {name: [] for name in names}
+    orders = []
+    for round_index in range(rounds):
+        order = round_order(names, round_index, rounds)
+        rates = launch(_timed_round, [options[name] for name in order], per_rank_samples,
+                       batch_size, warmup_batches, nprocs=nprocs, backend=backend)
+        measured = dict(zip(order, rates, strict=True))
+        for name in names:
+            runs[name].append(measured[name])
+        orders.append(order)
+        if progress is not None:
+            progress(round_index, order, measured)
+    h, rows = judge(runs)
     reasons = {f"without {name}": reason for name, (_, reason) in SWITCHED_OFF.items()}
-    rows = [{"variant": name, "options": asdict(options), "runs": runs[name],
-             "samples_per_s": statistics.median(runs[name]),
-             "relative_to_tuned": statistics.median(runs[name]) / tuned,
-             "gpu_only": reasons.get(name)} for name, options in variants().items()]
-    return {"rows": rows, "per_rank_samples": per_rank_samples, "batch_size": batch_size,
-            "repeats": repeats, "ranks": nprocs}
+    for row in rows:
+        row["options"] = asdict(options[row["variant"]])
+        row["gpu_only"] = reasons.get(row["variant"])
+    return {"rows": rows, "band": {"half_width_log": h, "low": math.exp(-h),
+                                   "high": math.exp(h)},
+            "orders": orders, "rounds": rounds, "per_rank_samples": per_rank_samples,
+            "batch_size": batch_size, "ranks": nprocs}
+
+
+COLOURS = {None: "#5d6d7e", "pays": "#c0392b", "costs": "#7aa95c", "within noise": "#b8c2cc"}
 
 
 def plot(result: dict, ax=None):
-    """Horizontal bars: each variant's throughput relative to the tuned run."""
+    """Horizontal bars: each variant's median ratio to all on; dots: each round's ratio;
+    the shaded band: the A/A control's noise. Coloured by verdict."""
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
-    rows = result["rows"]
+    rows, band = result["rows"], result["band"]
     if ax is None:
-        _, ax = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.2))
+        _, ax = plt.subplots(figsize=(10, 0.4 * len(rows) + 1.6))
     positions = list(range(len(rows)))[::-1]
+    ax.axvspan(band["low"], band["high"], color="#f4d03f", alpha=0.35, lw=0)
     for y, row in zip(positions, rows, strict=True):
-        value = row["relative_to_tuned"]
-        colour = "#9aa5b1" if row["variant"].startswith("all on") else (
-            "#c0392b" if value < 0.97 else "#2a7ab0" if value <= 1.03 else "#7aa95c")
-        ax.barh(y, value, color=colour)
-        ax.annotate(f"{row['samples_per_s']:.0f}/s", (value, y), xytext=(4, 0),
+        ax.barh(y, row["relative_to_tuned"], color=COLOURS[row["verdict"]], height=0.6)
+        ax.plot(row["ratios"], [y] * len(row["ratios"]), "o", color="black", ms=3)
+        ax.annotate(f"{row['samples_per_s']:.0f}/s", (max(row["ratios"]), y), xytext=(5, 0),
                     textcoords="offset points", va="center", fontsize=8)
     ax.axvline(1.0, color="black", lw=1)
     ax.set_yticks(positions, [row["variant"] for row in rows], fontsize=8)
-    ax.set_xlabel("throughput relative to the tuned configuration "
-                  "(red: switching it off hurts; green: it helps)")
-    ax.set_xlim(0, max(row["relative_to_tuned"] for row in rows) * 1.2)
-    ax.set_title(f"Ablation: {result['ranks']} DDP ranks, batch {result['batch_size']} "
-                 f"per rank, median of {result['repeats']}", fontsize=10)
+    ax.set_xlabel("throughput relative to all on (bar: median over rounds; dots: each round)",
+                  fontsize=9)
+    largest = max(max(row["ratios"]) for row in rows)
+    ax.set_xlim(0, max(largest, band["high"]) * 1.2)
+    ax.legend(handles=[
+        Patch(color="#f4d03f", alpha=0.35, label=f"A/A noise band {band['low']:.2f}-"
+                                                f"{band['high']:.2f}x"),
+        Patch(color=COLOURS["pays"], label="pays (off: slower in every round)"),
+        Patch(color=COLOURS["costs"], label="costs (off: faster in every round)"),
+        Patch(color=COLOURS["within noise"], label="within noise")],
+        fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    ax.set_title(f"Ablation: {result['ranks']} DDP ranks, batch {result['batch_size']} per "
+                 f"rank, {result['rounds']} interleaved rounds", fontsize=10)
     return ax
+
+
+
+def bucket_layouts(caps: list[int | None], steps: int = 3) -> list[list[dict]]:
+    """Inside a rank: for each ``bucket_cap_mb`` in ``caps`` (None: DDP's own default),
+    the seed CNN's gradient buckets in the order backward hands them to the all-reduce,
+    as ``{"parameters": [names], "megabytes": size}``.
+
+    Read by a communication hook in step ``steps`` (default: the 3rd): with
+    ``static_graph`` (as in :data:`TUNED`) DDP rebuilds its buckets after two steps, in
+    the order the gradients became ready.
+    """
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from .models import SeedCNN
+
+    layouts = []
+    for cap in caps:
+        torch.manual_seed(0)
+        module = SeedCNN()
+        names = {id(p): name for name, p in module.named_parameters()}
+        model = DDP(module, bucket_cap_mb=cap, static_graph=True,
+                    gradient_as_bucket_view=True)
+        seen = []
+
+        def record(state, bucket, seen=seen, names=names):
+            buffer = bucket.buffer()
+            seen.append({"parameters": [names[id(p)] for p in bucket.parameters()],
+                         "megabytes": buffer.numel() * buffer.element_size() / 1e6})
+            return default_hooks.allreduce_hook(state, bucket)
+
+        model.register_comm_hook(None, record)
+        for _ in range(steps):
+            seen.clear()
+            model(torch.randn(4, 3, 32, 32)).sum().backward()
+        layouts.append(list(seen))
+    return layouts
