@@ -121,7 +121,8 @@ figures: $(STAMP)
 	$(WITH_NB_ENV) $(BIN)/python scripts/readme_figures.py docs/images
 
 screenshots: $(STAMP)
-	MGPU_REQUIRE_BROWSER=1 BROWSER_ARTIFACTS=docs/images $(BIN)/pytest tests/browser
+	MGPU_REQUIRE_BROWSER=1 MGPU_BROWSER_ALL=1 BROWSER_ARTIFACTS=docs/images \
+	  $(BIN)/pytest tests/browser
 
 # Rewrite the pins from what is installed in .venv (after changing a range in pyproject.toml).
 pins:

@@ -2,6 +2,8 @@
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
@@ -227,3 +229,11 @@ def test_every_code_cell_is_plain_python_as_gpu_check_runs_it(path):
                 compile(source, f"{path.stem} cell {index}", "exec")
             except SyntaxError as error:
                 pytest.fail(f"{path.name} cell {index} is not plain Python: {error}")
+
+
+def test_at_least_80_percent_of_code_cells_have_compared_outputs():
+    # tools/compared_share.py, as the README quotes it: a cell tagged nbval-ignore-output
+    # or nbval-skip is run but not compared; machine-dependent cells are the only ones.
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "compared_share.py"),
+                           "--min", "0.8"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
