@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import gc
 import math
+import random
 import statistics
 from dataclasses import asdict, replace
 
@@ -160,8 +161,6 @@ def false_verdict_rate(rounds: int, trials: int = 20_000, seed: int = 0) -> floa
     rule's scale (the band and the ratios are ratios), so the rate depends on the number
     of rounds only, not on how noisy the machine is.
     """
-    import random
-
     if rounds < 2 or trials < 1:
         raise ValueError("need rounds >= 2 and trials >= 1")
     rng = random.Random(seed)
@@ -262,7 +261,6 @@ def plot(result: dict, ax=None):
     ax.set_title(f"Ablation: {result['ranks']} DDP ranks, batch {result['batch_size']} per "
                  f"rank, {result['rounds']} interleaved rounds", fontsize=10)
     return ax
-
 
 
 def bucket_layouts(caps: list[int | None], steps: int = 3) -> list[list[dict]]:
