@@ -14,7 +14,7 @@ LAB_PORT ?= 8888
 # Jupyter refuses to start as root (containers often run as root) unless told to.
 LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab test check lint unit nbval nbval-kernels browser gpu-check gpu-wheels notebooks \
+.PHONY: venv lab test unit-then-browser check lint unit nbval nbval-kernels browser gpu-check gpu-wheels notebooks \
   nav bench figures screenshots pins clean
 
 venv: $(STAMP)
@@ -44,7 +44,19 @@ lab: $(STAMP) $(LAB_OVERRIDES)
 	  --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/$(LANDING) \
 	  $(LAB_ROOT_FLAG)
 
-test: lint unit nbval browser
+# The unit tests and nbval each keep about one of two cores busy (much of their time is
+# spent starting processes and waiting on ranks), so two lanes run side by side: the unit
+# tests then the browser test, and nbval. TEST_JOBS=1 runs them one after the other. Each
+# lane prints its reports when it ends.
+TEST_JOBS ?= 2
+test: lint
+	@echo "make test: two lanes side by side ($(TEST_JOBS) jobs): unit tests then the" \
+	  "browser test, and nbval; each lane's report appears when it ends"
+	@$(MAKE) --no-print-directory -j$(TEST_JOBS) --output-sync=recurse unit-then-browser nbval
+
+unit-then-browser:
+	@$(MAKE) --no-print-directory unit
+	@$(MAKE) --no-print-directory browser
 
 # The fast tier, for contributors between commits: lint and the unit tests not marked
 # slow (no trainings, JupyterLab, torchrun or long waits). `make test` before pushing.

@@ -1,5 +1,7 @@
-"""Shared fixtures: no test may leave a process behind."""
+"""Shared fixtures: no test may leave a process behind. Tests start with make's flags
+removed from the environment."""
 
+import os
 import time
 
 import psutil
@@ -16,6 +18,14 @@ def child_pids() -> list[int]:
         except psutil.NoSuchProcess:
             continue
     return found
+
+
+# Some tests run `make lab`, `make nbval`... themselves. Under `make test` the parent
+# make's flags (its jobserver, --output-sync) would reach those runs: output held back
+# until JupyterLab exits, and "jobserver unavailable" warnings. Each test's make starts
+# as if typed at a shell.
+for variable in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES"):
+    os.environ.pop(variable, None)
 
 
 @pytest.fixture

@@ -43,63 +43,83 @@ def gpu_check(tmp_path, *chapters, timeout=120, extra=()):
     return done, report
 
 
-def test_cells_run_in_order_in_one_namespace_like_a_kernel(tmp_path):
-    good = chapter(tmp_path, "01_good",
+# Two runs of the tool cover every case: each run asks a child for the machine's facts and
+# starts one process per chapter, seconds each, so the cases share runs.
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory):
+    """One run over chapters that pass, fail, or raise when they should (timeout 120 s)."""
+    folder = tmp_path_factory.mktemp("gpu-check")
+    good = chapter(folder, "01_good",
                    "import inspect\n\ndef double(x):\n    return 2 * x",
                    "assert double(2) == 4\nassert 'return 2 * x' in inspect.getsource(double)",
                    ("raise ValueError('shown on purpose')", ["raises-exception"]),
                    "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.show()")
-    done, report = gpu_check(tmp_path, good)
-    assert done.returncode == 0, done.stdout + done.stderr
-    (row,) = report["results"]
-    assert row["passed"] and row["cells"] == 4 and row["name"] == "01_good"
-    assert "01_good  passed" in done.stdout and "1 of 1 passed" in done.stdout
-    assert report["machine"]["plan"] and report["machine"]["torch"]
-
-
-def test_the_first_failing_cell_is_named_with_its_error(tmp_path):
-    good = chapter(tmp_path, "01_good", "x = 1")
-    bad = chapter(tmp_path, "02_bad", "x = 1", "assert x == 2, 'x should be 2'", "never = 1")
-    done, report = gpu_check(tmp_path, good, bad)
-    assert done.returncode == 1
-    rows = {row["name"]: row for row in report["results"]}
-    assert rows["01_good"]["passed"] and not rows["02_bad"]["passed"]
-    assert rows["02_bad"]["failed_cell"] == 2
-    assert rows["02_bad"]["error"] == "AssertionError: x should be 2"
-    assert "cell 2: AssertionError: x should be 2" in done.stdout
-    assert "Traceback" in (tmp_path / "out" / "02_bad.log").read_text()
-
-
-def test_a_cell_that_should_raise_and_does_not_fails(tmp_path):
-    quiet = chapter(tmp_path, "03_quiet", ("x = 1", ["raises-exception"]))
-    _, report = gpu_check(tmp_path, quiet)
-    assert report["results"][0]["error"] == "tagged raises-exception, but raised nothing"
-
-
-def test_a_hanging_chapter_times_out_and_the_rest_still_runs(tmp_path):
-    hang = chapter(tmp_path, "04_hang", "import time\ntime.sleep(600)")
-    good = chapter(tmp_path, "05_good", "x = 1")
-    done, report = gpu_check(tmp_path, hang, good, timeout=5)
-    rows = {row["name"]: row for row in report["results"]}
-    assert rows["04_hang"]["error"] == "timed out after 5 s"
-    assert rows["05_good"]["passed"]
-
-
-def test_chapters_launch_ranks_as_in_a_notebook(tmp_path):
-    launching = chapter(tmp_path, "06_launch",
+    bad = chapter(folder, "02_bad", "x = 1", "assert x == 2, 'x should be 2'", "never = 1")
+    quiet = chapter(folder, "03_quiet", ("x = 1", ["raises-exception"]))
+    launching = chapter(folder, "06_launch",
                         "import mgpu_helpers as mh\n\ndef where():\n    return mh.rank()",
                         "assert mh.launch(where, nprocs=2, backend='gloo', return_all=True)"
                         " == [0, 1]")
-    _, report = gpu_check(tmp_path, launching)
-    assert report["results"][0]["passed"], report
+    done, report = gpu_check(folder, good, bad, quiet, launching)
+    return folder, done, report, {row["name"]: row for row in report["results"]}
 
 
-def test_a_chapter_whose_process_hangs_after_its_last_cell_fails(tmp_path):
-    lingering = chapter(tmp_path, "07_linger",
+@pytest.fixture(scope="module")
+def timed_out(tmp_path_factory):
+    """One run with a short timeout: a chapter that hangs in a cell, one whose process
+    lingers after its last cell, and a good one after them."""
+    folder = tmp_path_factory.mktemp("gpu-check-timeouts")
+    hang = chapter(folder, "04_hang", "import time\ntime.sleep(600)")
+    lingering = chapter(folder, "07_linger",
                         "import threading, time\n"
                         "threading.Thread(target=time.sleep, args=(600,)).start()")
-    _, report = gpu_check(tmp_path, lingering, timeout=10)
-    assert report["results"][0]["error"] == "timed out after 10 s after its last cell"
+    good = chapter(folder, "08_good", "x = 1")
+    done, report = gpu_check(folder, hang, lingering, good, timeout=TIMEOUT_S)
+    return done, {row["name"]: row for row in report["results"]}
+
+
+TIMEOUT_S = 5
+
+
+def test_cells_run_in_order_in_one_namespace_like_a_kernel(checked):
+    _, done, report, rows = checked
+    row = rows["01_good"]
+    assert row["passed"] and row["cells"] == 4, row
+    assert "01_good: passed" in done.stdout
+    assert report["machine"]["plan"] and report["machine"]["torch"]
+
+
+def test_the_first_failing_cell_is_named_with_its_error(checked):
+    folder, done, report, rows = checked
+    assert done.returncode == 1
+    assert not rows["02_bad"]["passed"]
+    assert rows["02_bad"]["failed_cell"] == 2
+    assert rows["02_bad"]["error"] == "AssertionError: x should be 2"
+    assert "cell 2: AssertionError: x should be 2" in done.stdout
+    assert "Traceback" in (folder / "out" / "02_bad.log").read_text()
+    assert "2 of 4 passed" in done.stdout
+
+
+def test_a_cell_that_should_raise_and_does_not_fails(checked):
+    rows = checked[3]
+    assert rows["03_quiet"]["error"] == "tagged raises-exception, but raised nothing"
+
+
+def test_chapters_launch_ranks_as_in_a_notebook(checked):
+    rows = checked[3]
+    assert rows["06_launch"]["passed"], rows["06_launch"]
+
+
+def test_a_hanging_chapter_times_out_and_the_rest_still_runs(timed_out):
+    done, rows = timed_out
+    assert rows["04_hang"]["error"] == f"timed out after {TIMEOUT_S} s"
+    assert rows["08_good"]["passed"]
+    assert done.returncode == 1
+
+
+def test_a_chapter_whose_process_hangs_after_its_last_cell_fails(timed_out):
+    rows = timed_out[1]
+    assert rows["07_linger"]["error"] == f"timed out after {TIMEOUT_S} s after its last cell"
 
 
 def test_missing_notebook_is_refused(tmp_path):
@@ -107,10 +127,9 @@ def test_missing_notebook_is_refused(tmp_path):
     assert done.returncode == 2 and "no such notebook" in done.stderr and report is None
 
 
-def test_a_cpu_report_is_not_recorded_as_a_gpu_verdict(tmp_path):
-    good = chapter(tmp_path, "01_good", "x = 1")
-    gpu_check(tmp_path, good)
+def test_a_cpu_report_is_not_recorded_as_a_gpu_verdict(checked):
+    folder = checked[0]
     done = subprocess.run([sys.executable, str(TOOL), "--record",
-                           str(tmp_path / "out" / "report.json")],
+                           str(folder / "out" / "report.json")],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 2 and "run without GPUs" in done.stderr

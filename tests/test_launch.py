@@ -367,23 +367,6 @@ def test_torchrun_standalone_runs_the_function_once_per_process():
 
 
 @pytest.mark.slow
-def test_two_torchrun_nodes_on_localhost():
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    endpoint = f"127.0.0.1:{free_port()}"
-    nodes = [subprocess.Popen(
-        [torchrun, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
-         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "test",
-         "--master-addr", "127.0.0.1", str(SCRIPTS / "cluster.py")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in range(2)]
-    outputs = [node.communicate(timeout=180) for node in nodes]
-    for node, (out, err) in zip(nodes, outputs, strict=True):
-        assert node.returncode == 0, out + err
-    ranks = sorted(line.split(" rank ")[1] for out, _ in outputs for line in out.splitlines()
-                   if line.startswith("pid"))
-    assert ranks == ["0 world 2 sum 2", "1 world 2 sum 2"]
-
-
-@pytest.mark.slow
 def test_simulated_slurm_step_derives_ranks_from_slurm_variables():
     port = str(free_port())
     tasks = [subprocess.Popen(

@@ -93,6 +93,8 @@ def run_together(commands, envs, timeout=300):
 
 
 def test_two_torchrun_nodes_on_localhost_give_the_same_weights(uninterrupted, tmp_path):
+    # Also the launcher's multi-node test: launch() under torchrun runs the function once
+    # per process (a second set of ranks would change the weights and the printing).
     checkpoint, result = tmp_path / "nodes.pt", tmp_path / "nodes.json"
     endpoint = f"127.0.0.1:{free_port()}"
     commands = [[TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
