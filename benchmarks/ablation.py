@@ -3,7 +3,7 @@ and of one variant per optimisation switched off, judged against an A/A control.
 
 Optimisations: DataLoader workers, pinned memory, mixed precision, channels_last, the
 overlap of DDP's default 25 MB buckets (the variant: one 100 MB bucket),
-gradient_as_bucket_view, static_graph, gradient accumulation x4 (`mgpu_helpers.ablation`).
+gradient_as_bucket_view, static_graph, gradient accumulation x4 (`mgpu_helpers.labs.ablation`).
 2 DDP ranks, batch 32 per rank. Every round measures every variant once, in a
 counterbalanced order, and "all on" twice (the A/A control); the noise band is the
 largest disagreement of the two "all on" runs in any round, and a variant gets a verdict
@@ -26,7 +26,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from mgpu_helpers import ablation  # noqa: E402
+from mgpu_helpers.labs import ablation  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

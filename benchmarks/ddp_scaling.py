@@ -34,7 +34,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from mgpu_helpers import scaling  # noqa: E402
+from mgpu_helpers.labs import scaling  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

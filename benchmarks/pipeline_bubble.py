@@ -1,7 +1,7 @@
 """GPipe from scratch against the naive split: step time, speed-up and bubble, for
 M in {1, 2, 4, 8, 16} micro-batches, 2 stages on 2 CPU processes, in one run.
 
-The model is `mgpu_helpers.pipeline.pipeline_convnet` (9 convolutions of 64 channels on
+The model is `mgpu_helpers.labs.gpipe.pipeline_convnet` (9 convolutions of 64 channels on
 16x16 images, batch 64) cut where the two stages have equal FLOPs. M = 1 is the naive
 split. For each M: the median step time over 5 steps (a step ends when the slowest rank
 is done), the speed-up over M = 1
@@ -25,7 +25,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from mgpu_helpers import pipeline as pp  # noqa: E402
+from mgpu_helpers import pipeline_parallel as pp  # noqa: E402
+from mgpu_helpers.labs import gpipe  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COUNTS = (1, 2, 4, 8, 16)
@@ -38,8 +39,8 @@ def main() -> None:
     if args.steps < 1:
         parser.error("--steps must be at least 1")
 
-    result = pp.measure_gpipe(COUNTS, stages=2, steps=args.steps)
-    blocking = pp.measure_gpipe(COUNTS, stages=2, steps=args.steps, overlap=False)
+    result = gpipe.measure_gpipe(COUNTS, stages=2, steps=args.steps)
+    blocking = gpipe.measure_gpipe(COUNTS, stages=2, steps=args.steps, overlap=False)
     stages = result["settings"]["stages"]
     print(f"{'M':>3} {'step':>9} {'speed-up':>9} {'ideal':>6} {'of ideal':>9} "
           f"{'bubble':>7} {'theory':>7} {'blocking: step':>15} {'bubble':>7}")

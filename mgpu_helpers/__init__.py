@@ -4,14 +4,15 @@ The notebooks in ``notebooks/`` teach the concepts; this package holds only the
 boilerplate around them (environment report, process launching, plotting).
 """
 
-from .dist import device, is_main, local_rank, print0, rank, world_size
 from .env import describe
-from .launch import LaunchError, launch
+from .launcher import LaunchError, launch
 from .notebook_settings import check_notebook_settings
+from .ranks import device, is_main, local_rank, print0, rank, restart_count, world_size
 from .visible_devices import parse_cuda_visible_devices
 
 __all__ = [
     "LaunchError", "check_notebook_settings", "describe", "device", "is_main", "launch",
-    "local_rank", "parse_cuda_visible_devices", "print0", "rank", "world_size",
+    "local_rank", "parse_cuda_visible_devices", "print0", "rank", "restart_count",
+    "world_size",
 ]
 __version__ = "0.1.0"

@@ -15,7 +15,7 @@ import os
 from tqdm import tqdm as text_tqdm
 from tqdm.auto import tqdm as auto_tqdm
 
-from .launch import INSIDE_RANK_VAR
+from .ranks import INSIDE_RANK_VAR
 
 
 def progress_bar(iterable=None, **options):

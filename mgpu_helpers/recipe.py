@@ -23,8 +23,6 @@ reference rate over the first epoch.
 from __future__ import annotations
 
 import math
-import os
-import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,10 +33,10 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torchvision.transforms import v2
 
 from .data import ImageDataset, loader_generator, prepare_digits, seed_worker
-from .dist import device as rank_device
-from .dist import is_main, print0, rank, world_size
 from .models import SeedCNN
 from .precision import AMP_CHOICES, amp_dtype
+from .ranks import device as rank_device
+from .ranks import is_main, print0, rank, world_size
 from .train import evaluate, load_checkpoint, save_checkpoint, train_one_epoch
 
 TO_TENSOR = [v2.ToImage(), v2.ToDtype(torch.float32, scale=True)]
@@ -57,9 +55,7 @@ class DigitsRun:
     accumulate)``, rounded (see :func:`batch_plan`). ``lr`` is Adam's learning rate for
     a global batch of ``REFERENCE_BATCH``; it decays along a cosine to 0 at the end.
     ``stop_after`` ends the run after that many epochs (as if it had been interrupted);
-    running again with the same checkpoint resumes. ``die_at_epoch``/``die_rank`` kill
-    one rank with SIGKILL at the start of that epoch, on the first attempt only: the
-    test hook for ``torchrun --max-restarts``.
+    running again with the same checkpoint resumes.
     """
 
     epochs: int = 4
@@ -76,8 +72,6 @@ class DigitsRun:
     evaluate_every_epoch: bool = True
     progress: bool = True
     verbose: bool = True  # rank 0 prints the batch plan, each epoch's metrics, the test result
-    die_at_epoch: int | None = None
-    die_rank: int = 1
 
     def __post_init__(self):
         for name in ("epochs", "global_batch", "accumulate"):
@@ -185,9 +179,6 @@ def train_digits(run: DigitsRun) -> dict:
     last_epoch = run.epochs if run.stop_after is None else min(run.epochs, run.stop_after)
     history = []
     for epoch in range(start_epoch, last_epoch):
-        if (run.die_at_epoch == epoch and rank() == run.die_rank
-                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
-            os.kill(os.getpid(), signal.SIGKILL)  # test hook: a rank killed mid-training
         torch.manual_seed(run.seed + 1000 * epoch + rank())  # this epoch's augmentation
         sampler.set_epoch(epoch)  # without it every epoch repeats the same order
         loader = DataLoader(train_set, batch_size=batches.per_rank, sampler=sampler,

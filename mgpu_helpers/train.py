@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from .dist import device as rank_device
-from .dist import is_main, rank, world_size
 from .progress import progress_bar
+from .ranks import device as rank_device
+from .ranks import is_main, rank, world_size
 
 CHECKPOINT_FORMAT = 1
 

@@ -49,14 +49,11 @@ def parse_args(argv=None) -> tuple[DigitsRun, argparse.Namespace]:
                         help="ranks to launch when not under torchrun/SLURM (default: GPUs)")
     parser.add_argument("--result", type=Path, default=None,
                         help="write the history and test metrics here as JSON (rank 0)")
-    parser.add_argument("--die-at-epoch", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--die-rank", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
         run = DigitsRun(epochs=args.epochs, global_batch=args.global_batch, lr=args.lr,
                         seed=args.seed, checkpoint=args.checkpoint, limit=args.limit,
-                        workers=args.workers, accumulate=args.accumulate, amp=args.amp,
-                        die_at_epoch=args.die_at_epoch, die_rank=args.die_rank)
+                        workers=args.workers, accumulate=args.accumulate, amp=args.amp)
     except ValueError as exc:
         parser.error(str(exc).replace("_", "-"))
     return run, args

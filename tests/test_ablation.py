@@ -9,8 +9,9 @@ from dataclasses import asdict, replace
 import matplotlib
 import pytest
 
-from mgpu_helpers import ablation, launch
-from mgpu_helpers.throughput import TrainingOptions, timed_epoch
+from mgpu_helpers import launch
+from mgpu_helpers.labs import ablation
+from mgpu_helpers.labs.throughput import TrainingOptions, timed_epoch
 
 matplotlib.use("Agg")
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")

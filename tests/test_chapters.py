@@ -6,11 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import chapters  # tools/chapters.py (pytest's pythonpath)
 import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
-
-from mgpu_helpers import chapters
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
@@ -85,10 +84,10 @@ def test_helper_modules_follow_imports_and_aliases_across_cells(tmp_path):
         new_code_cell("import mgpu_helpers as mh\nfrom mgpu_helpers import viz\n"
                       "%matplotlib inline"),
         new_code_cell("from mgpu_helpers.data import ImageDataset\nmh.launch(print)"),
-        new_code_cell("mh.rank()  # defined in dist.py, re-exported by the package"),
+        new_code_cell("mh.rank()  # defined in ranks.py, re-exported by the package"),
     ])
-    assert chapters.helper_modules(path) == ["data/image_folder.py", "dist.py", "launch.py",
-                                             "viz.py"]
+    assert chapters.helper_modules(path) == ["data/image_folder.py", "launcher/api.py",
+                                             "ranks.py", "viz.py"]
 
 
 def test_navigation_links_neighbours_and_helpers(tmp_path):

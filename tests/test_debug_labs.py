@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mgpu_helpers import LaunchError, launch, rank
-from mgpu_helpers import debug_labs as labs
+from mgpu_helpers.labs import debug_labs as labs
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 BOUND = {"nprocs": 2, "timeout": 30, "join_timeout": 60}  # launches that must not time out
@@ -207,7 +207,14 @@ def test_a_rank_killed_mid_epoch_is_reported_and_the_run_resumes(tmp_path):
     run = {"epochs": 2, "limit": 64, "global_batch": 32, "progress": False,
            "evaluate_every_epoch": False, "checkpoint": tmp_path / "run.pt"}
     with pytest.raises(LaunchError, match="rank 1:? killed by signal SIGKILL") as caught:
-        launch(train_digits, DigitsRun(**run, die_at_epoch=1), nprocs=2, join_timeout=120)
+        launch(labs.train_digits_with_a_crash, DigitsRun(**run), nprocs=2, join_timeout=120)
     assert labs.failure_summary(str(caught.value)) == "rank 1 killed by signal SIGKILL"
     resumed = launch(train_digits, DigitsRun(**run), nprocs=2, join_timeout=120)
     assert [entry["epoch"] for entry in resumed["history"]] == [1]
+    # The same crash with max_restarts=1: the launcher starts both ranks again, which
+    # resume from epoch 1's checkpoint, and the crash lab does not strike a second time.
+    again = {**run, "checkpoint": tmp_path / "restarted.pt"}
+    restarted = launch(labs.train_digits_with_a_crash, DigitsRun(**again), nprocs=2,
+                       join_timeout=120, max_restarts=1)
+    assert [entry["epoch"] for entry in restarted["history"]] == [1]
+    assert torch.load(again["checkpoint"], weights_only=True)["epoch"] == 2

@@ -1,6 +1,6 @@
-"""mgpu_helpers.launch on 2 gloo ranks: results, output, failures, hangs, ports, clusters."""
+"""mgpu_helpers.launch (package mgpu_helpers.launcher) on 2 gloo ranks: results, output,
+failures, hangs, ports, clusters."""
 
-import importlib
 import os
 import signal
 import socket
@@ -18,11 +18,9 @@ import torch.distributed as dist
 from slurm_env import srun_task
 
 import mgpu_helpers as mh
+from mgpu_helpers import LaunchError, launch
 from mgpu_helpers.cluster import first_slurm_host
-from mgpu_helpers.launch import LaunchError, launch
-
-# The package exports the function `launch`, which hides the module of the same name.
-launch_module = importlib.import_module("mgpu_helpers.launch")
+from mgpu_helpers.launcher import api, checks, failure, rank_process, rank_side, supervisor
 
 SCRIPTS = Path(__file__).resolve().parent / "launch_scripts"
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -126,7 +124,7 @@ def test_unpicklable_return_value_names_the_rank():
     message = str(caught.value)
     assert message.startswith("rank ")
     assert "cannot pickle '_thread.lock' object (while sending its return value back)" in message
-    assert "Advice: Everything sent between processes must be picklable" in message
+    assert "Advice: A rank's return value travels back to the launcher pickled" in message
 
 
 def chatty():
@@ -187,7 +185,7 @@ def failed_rank(index: int, message: str, failed_at: float):
     report = {"rank": index, "phase": "run", "failed_at": failed_at, "type": "RuntimeError",
               "message": message, "traceback": f"RuntimeError: {message}\n"}
     process = SimpleNamespace(exitcode=1)
-    return launch_module._Rank(index, process, None, None, None, outcome=("error", report))
+    return rank_process._Rank(index, process, None, None, None, outcome=("error", report))
 
 
 def test_a_peers_closed_connection_is_not_taken_for_the_root_cause():
@@ -195,25 +193,25 @@ def test_a_peers_closed_connection_is_not_taken_for_the_root_cause():
     # "Connection closed by peer" was stamped a moment earlier than rank 0's own report.
     ranks = [failed_rank(0, "Timed out waiting 5000ms for recv operation", 10.002),
              failed_rank(1, "Connection closed by peer [127.0.0.1]:41177", 10.001)]
-    message, _ = launch_module._failure_message(ranks)
+    message = failure._failure_message(ranks)
     assert message.startswith("rank 0 failed: RuntimeError: Timed out waiting")
     only_collateral = [failed_rank(1, "Connection reset by peer", 3.0),
                        failed_rank(0, "Broken pipe", 4.0)]
-    assert launch_module._failure_message(only_collateral)[0].startswith("rank 1 failed")
+    assert failure._failure_message(only_collateral).startswith("rank 1 failed")
 
 
 def test_a_rank_that_died_is_blamed_over_the_peer_that_saw_its_connection_reset():
     # Seen under load: rank 1 called os._exit(3); rank 0's "Connection reset by peer" was
     # stamped (rank 0's clock) before the launcher noticed rank 1's exit (its own clock).
     reset = failed_rank(0, "Read error [127.0.0.1]:5557: Connection reset by peer", 10.0)
-    died = launch_module._Rank(1, SimpleNamespace(exitcode=3), None, None, None,
+    died = rank_process._Rank(1, SimpleNamespace(exitcode=3), None, None, None,
                                exited_at=10.5)
-    message, _ = launch_module._failure_message([reset, died])
+    message = failure._failure_message([reset, died])
     assert message.startswith("rank 1 exited with code 3 without returning a result")
     # A rank the launcher stopped (SIGTERM after the failure) is never the root cause.
-    stopped = launch_module._Rank(1, SimpleNamespace(exitcode=-15), None, None, None,
+    stopped = rank_process._Rank(1, SimpleNamespace(exitcode=-15), None, None, None,
                                   exited_at=10.5, stopped=True)
-    message, _ = launch_module._failure_message([reset, stopped])
+    message = failure._failure_message([reset, stopped])
     assert message.startswith("rank 0 failed: RuntimeError: Read error")
 
 
@@ -262,21 +260,131 @@ def test_killed_rank_is_reported_with_signal_name():
         launch(rank1_dies, "kill", nprocs=2, timeout=30)
 
 
-def rank1_hangs():
+def rank1_hangs(path: str):
     if mh.rank() == 1:
+        def record(signum, frame):
+            Path(path).write_text("SIGTERM")
+            os._exit(0)
+        signal.signal(signal.SIGTERM, record)
         time.sleep(600)
 
 
 @pytest.mark.slow
-def test_join_timeout_kills_and_shows_stacks():
+def test_join_timeout_kills_and_shows_stacks(tmp_path):
+    marker = str(tmp_path / "rank1")
     start = time.monotonic()
     with pytest.raises(TimeoutError) as caught:
-        launch(rank1_hangs, nprocs=2, join_timeout=3)
+        launch(rank1_hangs, marker, nprocs=2, join_timeout=3)
     assert time.monotonic() - start < 15
     message = str(caught.value)
     assert "join_timeout of 3 s expired with rank(s) 0, 1 still running" in message
     assert "in rank1_hangs" in message  # rank 1's Python stack, from faulthandler
+    assert Path(marker).read_text() == "SIGTERM"  # the stop policy: SIGTERM first
 
+
+def stop_marker(path: str, ignore_sigterm: bool = False):
+    """Rank 1 records the SIGTERM it gets (or ignores it), then waits to be stopped."""
+    if mh.rank() == 0:
+        while not Path(path + ".ready").exists():  # rank 1's handler is in place
+            time.sleep(0.05)
+        raise ValueError("rank 0 fails")
+    if ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        def record(signum, frame):
+            Path(path).write_text("SIGTERM")
+            os._exit(0)
+        signal.signal(signal.SIGTERM, record)
+    Path(path + ".ready").write_text("")
+    time.sleep(600)
+
+
+def test_a_failure_stops_the_other_ranks_with_sigterm_first(tmp_path):
+    marker = str(tmp_path / "rank1")
+    with pytest.raises(LaunchError, match="^rank 0 failed: ValueError: rank 0 fails"):
+        launch(stop_marker, marker, nprocs=2, backend="gloo", join_timeout=120)
+    assert Path(marker).read_text() == "SIGTERM"
+
+
+def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
+    marker = str(tmp_path / "rank1")
+    with pytest.raises(LaunchError) as caught:
+        launch(stop_marker, marker, True, nprocs=2, backend="gloo", join_timeout=120)
+    assert "rank 1: killed by signal SIGKILL" in str(caught.value)
+    assert not Path(marker).exists()
+
+
+def test_a_failure_while_starting_ranks_stops_those_started(monkeypatch):
+    real_start = supervisor._start_rank
+    started = []
+
+    def second_start_fails(ctx, index, *args):
+        if index == 1:
+            raise OSError("[Errno 12] Cannot allocate memory")
+        rank = real_start(ctx, index, *args)
+        started.append(rank.process)
+        return rank
+
+    monkeypatch.setattr(supervisor, "_start_rank", second_start_fails)
+    with pytest.raises(LaunchError, match=r"^could not start rank 1 of 2: OSError: "
+                                          r"\[Errno 12\] Cannot allocate memory\. The 1 rank"):
+        launch(time.sleep, 600, nprocs=2, backend="gloo")
+    (rank0,) = started
+    assert rank0.exitcode == -signal.SIGTERM  # stopped by the policy, not left running
+
+
+def report(kind: str, message: str, phase: str = "run") -> dict:
+    return {"type": kind, "message": message, "phase": phase}
+
+
+def test_advice_is_matched_on_the_error_not_on_words_in_the_traceback():
+    collective = failure._advice_for(report("RuntimeError",
+                                            "Timed out waiting 5000ms for recv operation"))
+    assert collective.startswith("A collective waited longer than `timeout`")
+    assert failure._advice_for(report("DistBackendError", "Watchdog caught collective "
+                                      "operation timeout: WorkNCCL(SeqNum=3)")) == collective
+    # The user's own timeout, or torch.load failing on a damaged file, is not about
+    # collectives or return values.
+    assert failure._advice_for(report("TimeoutError", "queue.get timed out")) == ""
+    assert failure._advice_for(report("UnpicklingError", "invalid load key, 'x'.")) == ""
+    assert "return plain data" in failure._advice_for(
+        report("TypeError", "cannot pickle 'generator' object", phase="return"))
+    assert "spawn" in failure._advice_for(report("AttributeError", "Can't get attribute "
+                                                 "'train' on <module '__main__'>",
+                                                 phase="unpickle"))
+    assert "start_method='spawn'" in failure._advice_for(
+        report("RuntimeError", "Cannot re-initialize CUDA in forked subprocess."))
+
+def fails_on_the_first_attempt():
+    if mh.rank() == 1 and mh.restart_count() == 0:
+        raise ValueError("first attempt")
+    return mh.rank(), mh.restart_count(), int(os.environ["MGPU_RESTART_COUNT"])
+
+
+def test_max_restarts_starts_every_rank_again_after_a_failure(capfd):
+    values = launch(fails_on_the_first_attempt, nprocs=2, backend="gloo", max_restarts=2,
+                    return_all=True)
+    assert values == [(0, 1, 1), (1, 1, 1)]  # both ranks are on the second attempt
+    err = capfd.readouterr().err
+    assert ("[launch] rank 1 failed: ValueError: first attempt; every rank stopped, "
+            "starting them again (restart 1 of 2)") in err
+    assert "restart 2 of 2" not in err
+
+
+def always_fails():
+    raise ValueError(f"attempt {mh.restart_count()}")
+
+
+def test_when_restarts_run_out_the_last_failure_is_raised(capfd):
+    with pytest.raises(LaunchError, match=r"^rank \d failed: ValueError: attempt 2"):
+        launch(always_fails, nprocs=2, backend="gloo", max_restarts=2)
+    assert capfd.readouterr().err.count("[launch] rank") == 2
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "1"])
+def test_invalid_max_restarts(value):
+    with pytest.raises(ValueError, match="max_restarts must be an int >= 0"):
+        launch(mh.rank, nprocs=2, max_restarts=value)
 
 def rank1_is_late():
     if mh.rank() == 1:
@@ -324,31 +432,6 @@ def test_busy_fixed_port_fails_fast_naming_it():
         with pytest.raises(LaunchError, match=f"master_port={port} on 127.0.0.1 is already"):
             launch(mh.rank, nprocs=2, master_port=port)
         assert time.monotonic() - start < 10  # no rank was started, nothing waited
-
-
-def test_address_in_use_at_rendezvous_is_retried_on_a_new_port(monkeypatch, tmp_path):
-    real_create_store = launch_module._create_store
-    attempts = tmp_path / "attempts"
-
-    def flaky_store(rank, spec, listener, timeout):
-        if rank == 0 and not attempts.exists():
-            attempts.write_text(str(spec.master_port))
-            raise RuntimeError("The server socket has failed to listen (EADDRINUSE): "
-                               "address already in use")
-        return real_create_store(rank, spec, listener, timeout)
-
-    monkeypatch.setattr(launch_module, "_create_store", flaky_store)
-    used = launch(lambda: int(os.environ["MASTER_PORT"]), nprocs=2, timeout=10)
-    assert used != int(attempts.read_text())
-
-
-def test_fixed_port_in_use_at_rendezvous_is_not_retried(monkeypatch):
-    def always_busy(rank, spec, listener, timeout):
-        raise RuntimeError("EADDRINUSE: address already in use")
-
-    monkeypatch.setattr(launch_module, "_create_store", always_busy)
-    with pytest.raises(LaunchError, match="Pass master_port=None"):
-        launch(mh.rank, nprocs=2, master_port=free_port(), timeout=5)
 
 
 # ------------------------------------------------------------------------ clusters
@@ -416,7 +499,7 @@ def test_bad_nprocs(nprocs):
 
 
 def test_nprocs_required_without_gpus(monkeypatch):
-    monkeypatch.setattr(launch_module, "count_gpus", lambda: 0)
+    monkeypatch.setattr(api, "count_gpus", lambda: 0)
     with pytest.raises(ValueError, match=r"no GPU to count .* Say how many ranks .* nprocs=2"):
         launch(mh.rank)
 
@@ -432,15 +515,15 @@ def test_unknown_backend():
 
 
 def test_nccl_without_gpus(monkeypatch):
-    monkeypatch.setattr(launch_module, "count_gpus", lambda: 0)
-    monkeypatch.setattr(launch_module.dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(api, "count_gpus", lambda: 0)
+    monkeypatch.setattr(checks.dist, "is_nccl_available", lambda: True)
     with pytest.raises(LaunchError, match="backend='nccl' needs GPUs"):
         launch(mh.rank, nprocs=2, backend="nccl")
 
 
 def test_nccl_with_more_ranks_than_gpus(monkeypatch):
-    monkeypatch.setattr(launch_module, "count_gpus", lambda: 1)
-    monkeypatch.setattr(launch_module.dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(api, "count_gpus", lambda: 1)
+    monkeypatch.setattr(checks.dist, "is_nccl_available", lambda: True)
     with pytest.raises(LaunchError, match="nprocs=2 GPU ranks need 2 GPUs, but 1 is visible"):
         launch(mh.rank, nprocs=2, backend="nccl")
 
@@ -469,17 +552,17 @@ def test_process_group_already_initialised_here():
 
 
 def test_fork_refused_once_cuda_is_initialised(monkeypatch):
-    monkeypatch.setattr(launch_module, "cuda_driver_loaded", lambda: True)
+    monkeypatch.setattr(checks, "cuda_driver_loaded", lambda: True)
     with pytest.raises(LaunchError, match=r"refusing to fork: .*torch.cuda.is_available\(\)"):
         launch(mh.rank, nprocs=2, start_method="fork")
-    assert launch_module._resolve_start_method("auto") == "spawn"
+    assert checks._resolve_start_method("auto") == "spawn"
 
 
 def test_nccl_rank_detects_a_poisoned_fork(monkeypatch):
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
-    spec = launch_module._GroupSpec(2, "nccl", "127.0.0.1", 1, 5.0, 1)
+    spec = rank_side._GroupSpec(2, "nccl", "127.0.0.1", 1, 5.0, 1)
     with pytest.raises(RuntimeError, match="poisoned fork"):
-        launch_module._join_group(0, spec, None)
+        rank_side._join_group(0, spec, None)
 
 
 def test_unknown_start_method():

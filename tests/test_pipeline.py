@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mgpu_helpers import LaunchError, launch, rank, world_size
-from mgpu_helpers import pipeline as pp
+from mgpu_helpers import pipeline_parallel as pp
+from mgpu_helpers.labs import gpipe
 
 matplotlib.use("Agg")
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -140,7 +141,7 @@ def test_a_micro_batch_count_that_does_not_divide_the_batch_fails_clearly():
 
 
 def test_measure_gpipe_reports_speedups_bubbles_and_a_balanced_cut():
-    result = pp.measure_gpipe((2, 4), batch_size=8, channels=8, depth=3, image_size=8,
+    result = gpipe.measure_gpipe((2, 4), batch_size=8, channels=8, depth=3, image_size=8,
                               steps=1)
     assert sorted(key for key in result if key != "settings") == [1, 2, 4]  # M = 1 added
     assert result["settings"]["cuts"] == [4]  # conv1 (3->8) is light: 2 convs | 1 conv + head

@@ -3,7 +3,7 @@
 import matplotlib
 import pytest
 
-from mgpu_helpers import scaling
+from mgpu_helpers.labs import scaling
 
 matplotlib.use("Agg")
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")

@@ -14,6 +14,8 @@ from slurm_env import srun_task
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "scripts" / "train_ddp.py")
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+# The script with rank 1 killed as epoch 1 starts, on torchrun's first attempt only.
+CRASH_ONCE = str(ROOT / "tests" / "launch_scripts" / "train_ddp_crash_once.py")
 QUICK = ["--epochs", "2", "--limit", "128", "--global-batch", "64"]
 
 pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.slow]
@@ -57,8 +59,7 @@ def test_torchrun_restarts_a_killed_rank_resumes_and_matches_the_uninterrupted_r
     # down, torchrun restarts both, and they resume from epoch 0's checkpoint.
     checkpoint = tmp_path / "restarted.pt"
     output = run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-                  SCRIPT, *QUICK, "--checkpoint", str(checkpoint),
-                  "--die-at-epoch", "1", "--die-rank", "1"])
+                  CRASH_ONCE, *QUICK, "--checkpoint", str(checkpoint)])
     assert "resuming from" in output and "at epoch 1" in output
     state = torch.load(checkpoint, weights_only=True)
     assert (state["epoch"], state["world_size"]) == (2, 2)

@@ -262,8 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if result["passed"] else 1
 
     if args.record is not None:
-        sys.path.insert(0, str(ROOT))
-        from mgpu_helpers.chapters import record_gpu_check
+        from chapters import record_gpu_check  # tools/chapters.py, beside this file
         try:
             changed = record_gpu_check(ROOT / "notebooks", json.loads(args.record.read_text()))
         except (OSError, ValueError, KeyError) as error:

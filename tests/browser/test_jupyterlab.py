@@ -23,10 +23,9 @@ import re
 import time
 from pathlib import Path
 
+import chapters  # tools/chapters.py (pytest's pythonpath)
 import pytest
 from lab_session import ROOT, LabServer, chromium_page, find_chromium, prepare_workdir
-
-from mgpu_helpers import chapters
 
 ALL_CHAPTERS = sorted(path.name for path in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 CHAPTERS = ["00_environment.ipynb", "01_datasets_and_augmentation.ipynb",

@@ -2,7 +2,7 @@
 judged against an A/A control instead of a fixed threshold.
 
 The tuned configuration ("all on") switches every optimisation on; each variant switches
-exactly one off. Every run is :func:`mgpu_helpers.throughput.timed_epoch` (chapter 04's DDP
+exactly one off. Every run is :func:`mgpu_helpers.labs.throughput.timed_epoch` (chapter 04's DDP
 pipeline) on the ranks :func:`measure` is given (2 CPU ranks by default).
 
 How a shared, drifting machine is kept from deciding the verdicts:
@@ -35,8 +35,8 @@ import random
 import statistics
 from dataclasses import asdict, replace
 
-from .data import prepare_digits
-from .launch import launch
+from ..data import prepare_digits
+from ..launcher import launch
 from .throughput import TrainingOptions, timed_epoch
 
 # The tuned configuration: every optimisation on. bucket_cap_mb=25 is DDP's default bucket
@@ -276,7 +276,7 @@ def bucket_layouts(caps: list[int | None], steps: int = 3) -> list[list[dict]]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from .models import SeedCNN
+    from ..models import SeedCNN
 
     layouts = []
     for cap in caps:

@@ -17,13 +17,13 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from .data import ImageDataset, loader_generator, prepare_digits, seed_worker
-from .dist import device as rank_device
-from .dist import rank, world_size
-from .models import SeedCNN
-from .precision import AMP_CHOICES, amp_dtype
-from .recipe import AUGMENT, spread_subset
-from .train import train_one_epoch
+from ..data import ImageDataset, loader_generator, prepare_digits, seed_worker
+from ..models import SeedCNN
+from ..precision import AMP_CHOICES, amp_dtype
+from ..ranks import device as rank_device
+from ..ranks import rank, world_size
+from ..recipe import AUGMENT, spread_subset
+from ..train import train_one_epoch
 
 
 def _keep_local_gradients(state, bucket):

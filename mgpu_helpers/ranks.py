@@ -15,6 +15,12 @@ import torch.distributed as dist
 
 from .env import backend_device_type
 
+# Set in every rank that launch() starts (to its rank), so code can tell it runs in one.
+INSIDE_RANK_VAR = "MGPU_LAUNCH_RANK"
+# How many times launch(..., max_restarts=k) has restarted the ranks (torchrun's own
+# variable is TORCHELASTIC_RESTART_COUNT).
+RESTART_COUNT_VAR = "MGPU_RESTART_COUNT"
+
 
 def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -28,6 +34,13 @@ def rank() -> int:
 def world_size() -> int:
     """How many ranks take part (1 when no process group is running)."""
     return dist.get_world_size() if _initialized() else 1
+
+
+def restart_count() -> int:
+    """How many times the ranks were restarted before this attempt: 0 on the first, as
+    under ``launch(..., max_restarts=k)`` or ``torchrun --max-restarts k``."""
+    count = os.environ.get(RESTART_COUNT_VAR) or os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return int(count or 0)
 
 
 def local_rank() -> int:

@@ -6,7 +6,7 @@ the efficiency ``throughput(N ranks) / (N x throughput(1 rank))`` says how much 
 survives gradient all-reduces, stragglers and shared hardware.
 
 Every configuration runs the chapter's full pipeline,
-:func:`mgpu_helpers.throughput.timed_epoch` with plain DDP options.
+:func:`mgpu_helpers.labs.throughput.timed_epoch` with plain DDP options.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from .launch import launch
+from ..launcher import launch
 from .throughput import COMM_HOOKS, TrainingOptions, timed_epoch
 
 

@@ -6,11 +6,12 @@ Each chapter notebook keeps what describes it in its own metadata, under ``"work
 From these, ``write_landing`` builds the landing notebook that ``make lab`` opens:
 the chapter map with links and this machine's environment report.
 
+An authoring tool, not part of the helper package: chapters never import it.
 Command line (what the Makefile runs)::
 
-    python -m mgpu_helpers.chapters execute notebooks/04_*.ipynb   # run in place, timed
-    python -m mgpu_helpers.chapters nav                             # navigation lines
-    python -m mgpu_helpers.chapters landing                         # notebooks/start_here.ipynb
+    python tools/chapters.py execute notebooks/04_*.ipynb   # run in place, timed
+    python tools/chapters.py nav                             # navigation lines
+    python tools/chapters.py landing                         # notebooks/start_here.ipynb
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ def _code_of(notebook: dict) -> list[str]:
 def _module_file(module: str) -> str:
     """``mgpu_helpers.data.loading`` -> ``data/loading.py``; a package -> its ``__init__``."""
     target = importlib.import_module(module)
-    relative = Path(target.__file__).relative_to(Path(__file__).resolve().parent)
+    package = Path(importlib.import_module("mgpu_helpers").__file__).resolve().parent
+    relative = Path(target.__file__).resolve().relative_to(package)
     return relative.as_posix()
 
 
@@ -309,7 +311,7 @@ def landing_notebook(chapters: list[Chapter], report_text: str, measured_on: str
 def write_landing(notebooks_dir: Path, out_path: Path, report_text: str | None = None) -> Path:
     """Write the landing notebook; the report defaults to this machine's ``describe()``."""
     if report_text is None:
-        from .env import describe
+        from mgpu_helpers.env import describe
         report_text = str(describe())
     chapters = read_chapters(notebooks_dir)
     machines = sorted({c.run_time_machine for c in chapters if c.run_time_machine})
@@ -330,7 +332,7 @@ def _stamp_run_time(metadata: dict, seconds: float) -> None:
 
 def machine_description() -> str:
     """``2 CPUs, x86_64, no GPU``: where a run time was measured."""
-    from .env import count_gpus
+    from mgpu_helpers.env import count_gpus
     gpus = count_gpus()
     gpu_text = "no GPU" if gpus == 0 else f"{gpus} GPU{'s' if gpus > 1 else ''}"
     return f"{os.cpu_count()} CPUs, {platform.machine()}, {gpu_text}"
@@ -369,7 +371,7 @@ def execute(paths: list[Path], timeout: int = 600) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mgpu_helpers.chapters",
+    parser = argparse.ArgumentParser(prog="python tools/chapters.py",
                                      description="Run chapters timed, or write the landing page.")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("execute", help="run notebooks in place, storing run times")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import signal
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,8 +28,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
 from torchvision import transforms
 
-from .data.loading import loader_generator, seed_worker
-from .dist import rank, world_size
+from .. import recipe
+from ..data.loading import loader_generator, seed_worker
+from ..ranks import rank, restart_count, world_size
 
 BUSY_SECONDS = 60  # how long a "busy" rank would stay away: far beyond every timeout
 
@@ -295,3 +297,34 @@ def lab_identical_augmentation(fixed: bool = False, samples_per_rank: int = 8,
                         num_workers=2, collate_fn=list, worker_init_fn=seed_worker,
                         generator=loader_generator(seed, rank() if fixed else 0))
     return [draw for batch in loader for draw in batch]
+
+
+# ------------------------------------------------------------- Lab 4: a rank crashes
+
+
+@contextmanager
+def rank_killed_at_epoch(epoch: int, victim: int = 1):
+    """Inside a rank: while active, rank ``victim`` of :func:`~mgpu_helpers.recipe.train_digits`
+    kills itself with SIGKILL as it starts training epoch ``epoch``, as a rank dies of an
+    out-of-memory kill or a lost node: no exception, no report, no cleanup. Only on the
+    first attempt: ranks restarted (``launch(max_restarts=...)``, torchrun) train on."""
+    train_one_epoch = recipe.train_one_epoch
+
+    def dying(*args, **kwargs):
+        if kwargs.get("epoch") == epoch and rank() == victim and restart_count() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return train_one_epoch(*args, **kwargs)
+
+    recipe.train_one_epoch = dying
+    try:
+        yield
+    finally:
+        recipe.train_one_epoch = train_one_epoch
+
+
+def train_digits_with_a_crash(run: recipe.DigitsRun, epoch: int = 1, victim: int = 1) -> dict:
+    """:func:`~mgpu_helpers.recipe.train_digits`, with rank ``victim`` killed as epoch
+    ``epoch`` starts (see :func:`rank_killed_at_epoch`)."""
+    with rank_killed_at_epoch(epoch, victim):
+        return recipe.train_digits(run)
+

@@ -1,0 +1,140 @@
+"""``launch()``: checks its arguments, then runs in place (torchrun, srun) or starts
+ranks on this machine."""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing as mp
+import socket
+import sys
+
+import cloudpickle
+
+from ..cluster import ClusterEnvironmentError, cluster_environment
+from ..env import count_gpus
+from .checks import (
+    _check_callable,
+    _check_no_group_in_this_process,
+    _check_not_inside_rank,
+    _check_port,
+    _check_positive_int,
+    _check_seconds,
+    _resolve_start_method,
+    resolve_backend,
+    resolve_nprocs,
+)
+from .failure import LaunchError
+from .in_place import _run_in_this_process
+from .supervisor import _run_ranks
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def _listen(addr: str, port: int | None) -> socket.socket:
+    """Bind and listen on the rendezvous port here, so no other program can take it."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((addr, port or 0))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise LaunchError(
+                f"master_port={port} on {addr} is already in use by another program (or an "
+                "earlier launch still running). Pass master_port=None to pick a free port, "
+                "or free that port."
+            ) from None
+        raise LaunchError(f"cannot listen on {addr}:{port or 0}: {exc}") from None
+    return sock
+
+
+def launch(fn, *args, nprocs: int | None = None, backend: str = "auto",
+           start_method: str = "auto", master_addr: str = "127.0.0.1",
+           master_port: int | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+           join_timeout: float | None = None, return_all: bool = False,
+           cpu_threads: int = 1, max_restarts: int = 0, **kwargs):
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` ranks and return rank 0's value.
+
+    Args:
+        fn: the function every rank runs; may be defined in a notebook cell. Inside it,
+            ``mgpu_helpers.rank()``, ``world_size()``, ``device()``... tell where it runs;
+            the process group is ready before it starts and destroyed after it returns.
+        nprocs: number of ranks; None means one per visible GPU (required without GPUs).
+        backend: "auto": with GPUs, one per rank and a group that moves CUDA tensors
+            over NCCL and CPU tensors over gloo ("cpu:gloo,cuda:nccl"); without GPUs,
+            CPU ranks over gloo. "gloo": CPU ranks on every machine, for checks that
+            must behave identically everywhere. "nccl": NCCL only (CUDA tensors only).
+        start_method: "auto" (fork on Linux when CUDA is untouched, else spawn), "fork",
+            "spawn" or "forkserver". Under spawn, fn and its arguments travel with
+            cloudpickle, so notebook functions work there too.
+        master_addr: rendezvous address; loopback by default (single machine).
+        master_port: rendezvous port; None picks a free one.
+        timeout: seconds a collective may wait before the process group gives up.
+        join_timeout: seconds the whole run may take; then every rank is killed and
+            TimeoutError shows where each one was. None waits for as long as it takes.
+        return_all: return every rank's value, in rank order, instead of rank 0's.
+        cpu_threads: intra-op threads per rank with gloo (one core per simulated GPU).
+        max_restarts: when a rank fails, stop every rank and start them all again, up to
+            this many times, as ``torchrun --max-restarts`` does (a run that saves
+            checkpoints resumes from its last one). Each restart is reported on stderr;
+            inside the ranks, ``mgpu_helpers.restart_count()`` says which attempt runs.
+            ``join_timeout`` is never restarted: it bounds each attempt.
+
+    Returns:
+        Rank 0's return value (a list of all ranks' values with ``return_all=True``),
+        with every tensor in it moved to the CPU and detached (also inside dataclasses,
+        modules and other objects). Under torchrun or an srun step: this process's value.
+
+    Raises:
+        LaunchError: a rank failed (the message starts with "rank k failed: ...") or the
+            launch could not start. TimeoutError: join_timeout expired.
+    """
+    _check_callable(fn)
+    _check_not_inside_rank()
+    _check_no_group_in_this_process()
+    _check_seconds("timeout", timeout)
+    _check_seconds("join_timeout", join_timeout, allow_none=True)
+    _check_positive_int("cpu_threads", cpu_threads)
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
+    _check_port(master_port)
+    try:
+        cluster = cluster_environment()
+    except ClusterEnvironmentError as exc:
+        raise LaunchError(str(exc)) from None
+    if cluster is not None:
+        return _run_in_this_process(fn, args, kwargs, cluster, backend, timeout)
+
+    gpus = count_gpus()
+    backend = resolve_backend(backend, gpus)
+    nprocs = resolve_nprocs(nprocs, backend, gpus)
+    method = _resolve_start_method(start_method)
+    ctx = mp.get_context(method)
+    if method == "fork":
+        work = (fn, args, kwargs)
+    else:
+        try:
+            work = cloudpickle.dumps((fn, args, kwargs))
+        except Exception as exc:
+            raise LaunchError(
+                f"cannot send the function or its arguments to spawned ranks: "
+                f"{type(exc).__name__}: {exc}. Arguments must be picklable (no open files, "
+                "locks or generators); create such objects inside the function instead."
+            ) from exc
+    spec_args = {"world_size": nprocs, "backend": backend, "master_addr": master_addr,
+                 "timeout_s": float(timeout), "cpu_threads": cpu_threads}
+    for restart in range(max_restarts + 1):
+        # The rendezvous port is bound here, before any rank starts, and handed to rank
+        # 0's store: no other program can take it in between.
+        listener = _listen(master_addr, master_port)
+        try:
+            return _run_ranks(ctx, nprocs, {**spec_args, "restart": restart}, work, listener,
+                              join_timeout, return_all)
+        except LaunchError as exc:
+            if restart == max_restarts:
+                raise
+            print(f"[launch] {str(exc).splitlines()[0]}; every rank stopped, starting them "
+                  f"again (restart {restart + 1} of {max_restarts})", file=sys.stderr,
+                  flush=True)
+    raise AssertionError("unreachable")
