@@ -7,7 +7,12 @@ barrier and returns; the time is measured from the call to its return:
 * `launch`, spawn (what macOS/Windows use; the function travels with cloudpickle);
 * `torch.multiprocessing.start_processes`, spawn (the raw PyTorch way);
 * `torch.distributed.launcher.api.elastic_launch`, fork (torchrun's engine, which other
-  notebook launchers wrap).
+  notebook launchers wrap);
+* Lightning Fabric's `ddp_fork` strategy (`Fabric(...).launch(fn)`), when Lightning is
+  installed (`pip install -e ".[bench]"`); otherwise the run says it left Fabric out.
+  Importing Lightning makes this process bigger, and a bigger process forks and exits
+  more slowly, so Fabric runs last, and `launch` runs once more after it: the pair
+  compared like for like.
 
 Writes benchmarks/results/launch_latency.{json,png}. Run: `make bench`, or
 `python benchmarks/launch_latency.py --repeats 10`.
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import socket
@@ -35,6 +41,10 @@ import torch.multiprocessing as torch_mp  # noqa: E402
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # noqa: E402
 
 from mgpu_helpers import launch  # noqa: E402
+
+# Optional (the `bench` extra). Imported only when its turn comes, last: a process that
+# has imported Lightning is bigger, and every later fork (and spawned import) pays for it.
+HAVE_FABRIC = importlib.util.find_spec("lightning") is not None
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TIMEOUT = datetime.timedelta(seconds=30)
@@ -91,11 +101,27 @@ def run_elastic_launch() -> None:
     elastic_launch(config, barrier_from_env)()
 
 
-LAUNCHERS = {  # elastic_launch last: it installs signal handlers in this process
+def barrier_under_fabric(fabric) -> int:
+    """Under Fabric: it has joined the group before calling; one barrier is the job."""
+    fabric.barrier()
+    return fabric.global_rank
+
+
+def run_fabric_fork() -> None:
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp_fork")
+    fabric.launch(barrier_under_fabric)
+
+
+LAUNCHERS = {  # elastic_launch late: it installs signal handlers in this process
     "launch (fork)": run_ours_fork,
     "launch (spawn)": run_ours_spawn,
     "start_processes (spawn)": run_start_processes,
     "elastic_launch (fork)": run_elastic_launch,
+    **({"Fabric ddp_fork": run_fabric_fork,  # imports Lightning
+        # like for like with Fabric: the same launch from a process that imported Lightning
+        "launch (fork), Lightning imported": run_ours_fork} if HAVE_FABRIC else {}),
 }
 
 
@@ -106,6 +132,8 @@ def main() -> None:
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
 
+    if not HAVE_FABRIC:
+        print("Lightning is not installed: Fabric left out (pip install -e '.[bench]')")
     times: dict[str, list[float]] = {}
     for name, run in LAUNCHERS.items():
         run()  # warm-up: first-use costs (imports, page cache) are not launch latency
@@ -124,6 +152,9 @@ def main() -> None:
         "spawn within 1.2x of start_processes": (medians["launch (spawn)"]
                                                  <= 1.2 * medians["start_processes (spawn)"]),
     }
+    if "Fabric ddp_fork" in medians:
+        targets["fork no slower than Fabric ddp_fork (both with Lightning imported)"] = (
+            medians["launch (fork), Lightning imported"] <= medians["Fabric ddp_fork"])
     result = {
         "repeats": args.repeats, "ranks": 2, "backend": "gloo", "torch": torch.__version__,
         "cpus": os.cpu_count(), "seconds": times, "median_s": medians,
@@ -131,14 +162,18 @@ def main() -> None:
                                            / medians["start_processes (spawn)"]),
         "fork_ratio_to_elastic_launch": (medians["launch (fork)"]
                                          / medians["elastic_launch (fork)"]),
+        "fork_ratio_to_fabric": (medians["launch (fork), Lightning imported"]
+                                 / medians["Fabric ddp_fork"]
+                                 if "Fabric ddp_fork" in medians else None),
         "targets_met": targets,
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "launch_latency.json").write_text(json.dumps(result, indent=2) + "\n")
 
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = plt.subplots(figsize=(7, 0.55 * len(medians) + 1))
     names = list(medians)
-    ax.barh(names, [medians[n] for n in names], color=["C0", "C0", "C7", "C7"])
+    ax.barh(names, [medians[n] for n in names],
+            color=["C0" if n.startswith("launch") else "C7" for n in names])
     for y, name in enumerate(names):
         ax.text(medians[name], y, f" {medians[name]:.2f} s", va="center")
     ax.invert_yaxis()
@@ -150,6 +185,9 @@ def main() -> None:
 
     print(f"spawn / start_processes : {result['spawn_ratio_to_start_processes']:.2f}x")
     print(f"fork / elastic_launch   : {result['fork_ratio_to_elastic_launch']:.2f}x")
+    if result["fork_ratio_to_fabric"] is not None:
+        print(f"fork / Fabric ddp_fork  : {result['fork_ratio_to_fabric']:.2f}x "
+              "(both from a process that imported Lightning)")
     for target, met in targets.items():
         print(f"target {'met    ' if met else 'MISSED '} {target}")
 
