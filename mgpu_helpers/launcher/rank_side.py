@@ -144,11 +144,21 @@ def _report_exception(exc: BaseException, rank: int, phase: str) -> dict:
     }
 
 
-def _finish_group(clean: bool) -> None:
+# A launched rank's process ends right after its group (multiprocessing leaves with
+# os._exit). destroy_process_group() shuts every backend down (NCCL communicators too),
+# but the destroyed gloo group's destructor then takes about 20 ms to join its threads
+# and close its sockets: a rank holds the group here instead, and the exit frees it.
+_ENDED_GROUPS: list = []
+
+
+def _finish_group(clean: bool, process_ends: bool = False) -> None:
     if dist.is_available() and dist.is_initialized():
         if clean:
             dist.barrier()  # no rank tears down the store while another still needs it
+        group = dist.group.WORLD
         dist.destroy_process_group()
+        if process_ends:
+            _ENDED_GROUPS.append(group)
 
 
 def _rank_main(rank, spec, work, listener, result_conn, stdout_conn, stderr_conn) -> None:
@@ -173,8 +183,8 @@ def _rank_main(rank, spec, work, listener, result_conn, stdout_conn, stderr_conn
         report = _report_exception(exc, rank, phase)
         result_conn.send_bytes(pickle.dumps(("error", report)))
         try:
-            _finish_group(clean=False)
+            _finish_group(clean=False, process_ends=True)
         finally:
             sys.exit(1)
     result_conn.send_bytes(pickle.dumps(("ok", payload)))
-    _finish_group(clean=True)
+    _finish_group(clean=True, process_ends=True)
