@@ -112,6 +112,27 @@ def test_navigation_links_neighbours_and_helpers(tmp_path):
     assert first.split("\n")[:3] == ["# 01 · Middle", "", chapters.navigation(found, 1)]
 
 
+def last_cell(path) -> dict:
+    return json.loads(path.read_text())["cells"][-1]
+
+
+def test_make_nav_writes_the_closing_link_and_keeps_the_authors_words(tmp_path):
+    ends = {"00": [new_code_cell("x = 1")],  # ends with code: a closing cell is added
+            "01": [new_markdown_cell("Done.\n\nNext: [02 · Old title](02_old.ipynb): "
+                                     "where the data goes.")],
+            "02": [new_markdown_cell("Exercises.\n\nNext: [03 · Gone](03_gone.ipynb).")]}
+    for number, title in (("00", "Start"), ("01", "Middle"), ("02", "End")):
+        write_chapter(tmp_path / f"{number}_c.ipynb", f"# {number} · {title}", ends[number])
+    chapters.update_navigation(tmp_path)
+    added = last_cell(tmp_path / "00_c.ipynb")
+    assert added["cell_type"] == "markdown"
+    assert "".join(added["source"]) == "Next: [01 · Middle](01_c.ipynb)."
+    assert "".join(last_cell(tmp_path / "01_c.ipynb")["source"]) == (
+        "Done.\n\nNext: [02 · End](02_c.ipynb): where the data goes.")
+    assert "".join(last_cell(tmp_path / "02_c.ipynb")["source"]) == "Exercises."  # last one
+    assert chapters.update_navigation(tmp_path) == []  # nothing left to change
+
+
 def test_read_chapter_names_what_is_missing(tmp_path):
     no_summary = write_chapter(tmp_path / "03_a.ipynb", "# 03 · A", [], summary=None)
     with pytest.raises(ValueError, match=r'metadata\["workbook"\]\["summary"\]'):

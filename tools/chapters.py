@@ -230,8 +230,49 @@ def _set_navigation(first_cell: str, line: str) -> str:
     return "\n".join([lines[0], "", line, *lines[1:]])
 
 
+# The closing paragraph of a chapter's last cell: "Next: [05 · Title](05_x.ipynb): what it
+# adds." `make nav` keeps the link right and leaves the words after it to the author.
+CLOSING_PATTERN = re.compile(r"^Next: \[[^\]]*\]\([^)]*\)(?P<teaser>.*)$", re.MULTILINE)
+
+
+def closing_link(chapters: list[Chapter], index: int) -> str | None:
+    """The link a chapter's last cell ends with: the next chapter (none after the last)."""
+    if index + 1 >= len(chapters):
+        return None
+    following = chapters[index + 1]
+    return f"Next: [{short_title(following)}]({following.name})"
+
+
+def _set_closing(cells: list[dict], link: str | None) -> bool:
+    """Put ``link`` in the last cell's "Next:" paragraph (keeping the words after the
+    link), add such a paragraph (in a new markdown cell after a code cell), or remove it
+    from the last chapter. Returns whether anything changed."""
+    last = cells[-1] if cells else None
+    source = "".join(last["source"]) if last and last["cell_type"] == "markdown" else None
+    match = CLOSING_PATTERN.search(source) if source is not None else None
+    if link is None:
+        if not match:
+            return False
+        last["source"] = (source[:match.start()] + source[match.end():]).rstrip("\n")
+        return True
+    if match:
+        updated = source[:match.start()] + link + match["teaser"] + source[match.end():]
+        if updated == source:
+            return False
+        last["source"] = updated
+        return True
+    if source is not None:
+        last["source"] = source.rstrip("\n") + f"\n\n{link}."
+    else:
+        from nbformat.v4 import new_markdown_cell
+
+        cells.append(dict(new_markdown_cell(f"{link}.")))
+    return True
+
+
 def update_navigation(notebooks_dir: Path) -> list[Path]:
-    """Rewrite every chapter's navigation line; returns the notebooks that changed."""
+    """Rewrite every chapter's navigation line under its heading and the "Next:" link its
+    last cell ends with; returns the notebooks that changed."""
     chapters = read_chapters(notebooks_dir)
     changed = []
     for index, chapter in enumerate(chapters):
@@ -239,7 +280,8 @@ def update_navigation(notebooks_dir: Path) -> list[Path]:
         cell = notebook["cells"][0]
         source = "".join(cell["source"])
         updated = _set_navigation(source, navigation(chapters, index))
-        if updated != source:
+        closing_changed = _set_closing(notebook["cells"], closing_link(chapters, index))
+        if updated != source or closing_changed:
             cell["source"] = updated
             _write_notebook(chapter.path, notebook)
             changed.append(chapter.path)
