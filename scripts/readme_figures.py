@@ -16,6 +16,7 @@ screenshots from the browser test (``make screenshots``).
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -82,7 +83,10 @@ def sampler_figures(out_dir: Path) -> list[Path]:
 
 
 def main(argv: list[str]) -> int:
-    out_dir = Path(argv[0]) if argv else Path("docs/images")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", nargs="?", type=Path, default=Path("docs/images"),
+                        help="where the PNG files go (default: docs/images)")
+    out_dir = parser.parse_args(argv).out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     for path in [*augmentation_figures(out_dir), *sampler_figures(out_dir)]:
         print(f"wrote {path}")

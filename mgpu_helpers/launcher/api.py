@@ -14,6 +14,7 @@ from ..cluster import ClusterEnvironmentError, cluster_environment
 from ..env import count_gpus
 from .checks import (
     _check_callable,
+    _check_count,
     _check_no_group_in_this_process,
     _check_not_inside_rank,
     _check_port,
@@ -79,7 +80,8 @@ def launch(fn, *args, nprocs: int | None = None, backend: str = "auto",
             this many times, as ``torchrun --max-restarts`` does (a run that saves
             checkpoints resumes from its last one). Each restart is reported on stderr;
             inside the ranks, ``mgpu_helpers.restart_count()`` says which attempt runs.
-            ``join_timeout`` is never restarted: it bounds each attempt.
+            ``join_timeout`` is never restarted: it bounds each attempt. Under torchrun
+            or an srun step nothing is started here, so restarts are theirs to make.
 
     Returns:
         Rank 0's return value (a list of all ranks' values with ``return_all=True``),
@@ -96,8 +98,7 @@ def launch(fn, *args, nprocs: int | None = None, backend: str = "auto",
     _check_seconds("timeout", timeout)
     _check_seconds("join_timeout", join_timeout, allow_none=True)
     _check_positive_int("cpu_threads", cpu_threads)
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
+    _check_count("max_restarts", max_restarts)
     _check_port(master_port)
     try:
         cluster = cluster_environment()

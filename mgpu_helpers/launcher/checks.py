@@ -29,6 +29,11 @@ def _check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def _check_count(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
 def _check_seconds(name: str, value, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
