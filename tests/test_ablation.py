@@ -206,21 +206,9 @@ def test_the_tuned_configuration_trains_with_static_graph_and_accumulation():
 
 
 @pytest.mark.slow
-def test_a_short_real_measurement_is_judged_consistently(monkeypatch):
-    # the baseline, the control and one variant, 2 rounds: 6 timed epochs in 2 launches
-    everything = ablation.variants()
-    few = {name: everything[name] for name in (BASE, "without gradient accumulation x4",
-                                               CONTROL)}
-    monkeypatch.setattr(ablation, "variants", lambda: few)
-    result = ablation.measure(per_rank_samples=32, batch_size=16, rounds=2, warmup_batches=2)
-    h = result["band"]["half_width_log"]
-    assert [row["variant"] for row in result["rows"]] == [BASE, CONTROL,
-                                                          "without gradient accumulation x4"]
-    for row in result["rows"]:
-        assert len(row["runs"]) == 2 and min(row["runs"]) > 0
-    row = result["rows"][2]
-    assert row["verdict"] == ablation.verdict(row["ratios"], h)
-    assert all(abs(math.log(r)) <= h + 1e-12 for r in result["rows"][1]["ratios"])
+# A real measurement, judged: chapter 07 runs one (3 rounds of every variant) under nbval
+# and checks it cell by cell (every variant in every round, the band, the ratios, each
+# verdict against the band).
 
 
 def test_ddp_default_buckets_split_fc_from_conv_and_100_mb_makes_one_bucket():

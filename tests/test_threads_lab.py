@@ -1,0 +1,49 @@
+"""Chapter 03's GIL measurement (mgpu_helpers.labs.threads, benchmarks/gil_threads.py)."""
+
+import threading
+
+import pytest
+import torch
+
+from mgpu_helpers.labs import threads
+
+
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+def test_threaded_forward_computes_what_the_whole_batch_does(n_threads):
+    net, inputs = threads.cases(batch_size=7)["tiny MLP, batch 7"]
+    with torch.no_grad():
+        torch.testing.assert_close(threads.threaded_forward(net, inputs, n_threads),
+                                   net(inputs))
+
+
+def test_threaded_forward_runs_each_chunk_on_its_own_thread():
+    seen = []
+
+    class Recorder(torch.nn.Module):
+        def forward(self, x):
+            seen.append((threading.get_ident(), len(x)))
+            return x
+
+    threads.threaded_forward(Recorder(), torch.zeros(6, 2), 3)
+    assert sorted(size for _, size in seen) == [2, 2, 2]
+    assert threading.get_ident() not in {ident for ident, _ in seen}
+
+
+def test_measure_reports_every_round_and_the_median():
+    calls = []
+    result = threads.measure(rounds=2, repeats=1, batch_size=4,
+                             progress=lambda r, name, s: calls.append((r, name)))
+    names = [row["case"] for row in result["cases"]]
+    assert names == ["seed CNN, batch 4", "tiny MLP, batch 4"]
+    assert calls == [(0, names[0]), (0, names[1]), (1, names[0]), (1, names[1])]
+    for row in result["cases"]:
+        assert len(row["speedups"]) == 2
+        assert row["speedup"] == pytest.approx(sum(row["speedups"]) / 2)  # median of 2
+
+
+@pytest.mark.parametrize("bad", [{"rounds": 0}, {"repeats": 0}, {"batch_size": 0}])
+def test_bad_sizes_are_refused(bad):
+    with pytest.raises(ValueError, match="at least 1"):
+        threads.measure(**bad)
+    with pytest.raises(ValueError, match="n_threads must be at least 1, got 0"):
+        threads.threaded_forward(torch.nn.Identity(), torch.zeros(2), 0)
