@@ -47,11 +47,11 @@ lab: $(STAMP) $(LAB_OVERRIDES)
 # Two lanes: the unit tests then the browser test, and nbval then the tests of the nbval
 # harness itself (they run `make nbval` on small notebooks; placed there, the two lanes
 # take about as long). Side by side where the machine has 2 CPUs or more: each lane keeps
-# about one core busy, and on 2 cores the suite takes about 8 minutes instead of 11.
+# about one core busy, and on 2 cores the suite takes under 8 minutes instead of 11.
 # TEST_JOBS=1 runs them one after the other. A live timing that a busy second core
-# breaks (chapter 03's second thread) is checked on its stored benchmark run instead; the
-# chapters' other live timing checks compare work 1.5x to 8x apart. Each lane prints
-# its reports when it ends.
+# breaks (chapter 04's second thread) is checked on its stored benchmark run instead; the
+# chapters' other live timing checks compare work 1.5x to 8x apart. Each lane prints its
+# reports when it ends.
 TEST_JOBS ?= $(if $(filter 0 1,$(shell nproc 2>/dev/null || echo 1)),1,2)
 HARNESS_TESTS := tests/test_notebook_harness.py
 test: lint
@@ -82,14 +82,14 @@ unit: $(STAMP)
 browser: $(STAMP)
 	$(BIN)/pytest tests/browser
 
-# Chapters whose compared outputs are computed numbers (02-06) run on PyTorch's generic
+# Chapters whose compared outputs are computed numbers (02 to 07) run on PyTorch's generic
 # kernels (ATEN_CPU_CAPABILITY=default), standing in for another CPU: their outputs were
 # stored with this machine's best kernels, so a number printed past its precision fails
 # here. The others run on the best kernels. `make nbval-kernels` runs every chapter on
 # KERNELS (default, or avx2...).
 KERNELS ?= default
 NBVAL_GENERIC := $(wildcard notebooks/02_*.ipynb notebooks/03_*.ipynb notebooks/04_*.ipynb \
-  notebooks/05_*.ipynb notebooks/06_*.ipynb)
+  notebooks/05_*.ipynb notebooks/06_*.ipynb notebooks/07_*.ipynb)
 nbval: $(STAMP)
 	$(if $(filter-out $(NBVAL_GENERIC),$(NOTEBOOKS)),$(WITH_NB_ENV) $(BIN)/pytest $(NBVAL_FLAGS) \
 	  $(filter-out $(NBVAL_GENERIC),$(NOTEBOOKS)))

@@ -1,4 +1,4 @@
-"""Chapter 07's ablation, headless: training throughput of the tuned DDP configuration
+"""Chapter 08's ablation, headless: training throughput of the tuned DDP configuration
 and of one variant per optimisation switched off, judged against an A/A control.
 
 Optimisations: DataLoader workers, pinned memory, mixed precision, channels_last, the

@@ -1,6 +1,6 @@
-"""Does chapter 04's "at least 90% test accuracy" hold on other CPUs and seeds?
+"""Does chapter 05's "at least 90% test accuracy" hold on other CPUs and seeds?
 
-Chapter 04 trains the seed CNN with `DigitsRun()` (4 epochs, global batch 64, 2 CPU
+Chapter 05 trains the seed CNN with `DigitsRun()` (4 epochs, global batch 64, 2 CPU
 ranks without GPUs) and asserts a test accuracy of at least 90%. This trains the same
 run for several seeds under each of PyTorch's CPU kernel sets (`ATEN_CPU_CAPABILITY`:
 this machine's best, `avx2`, `default`, which stand in for other CPUs), each set in a
@@ -20,12 +20,12 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-THRESHOLD = 0.90  # chapter 04's assert
+THRESHOLD = 0.90  # chapter 05's assert
 CAPABILITIES = ("best", "avx2", "default")
 
 
 def train(seeds: list[int], ranks: int) -> list[dict]:
-    """Chapter 04's run once per seed, in this process's kernel set."""
+    """Chapter 05's run once per seed, in this process's kernel set."""
     from mgpu_helpers import launch
     from mgpu_helpers.recipe import DigitsRun, train_digits
 

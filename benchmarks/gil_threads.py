@@ -1,6 +1,6 @@
 """A second Python thread on a forward pass: the seed CNN against a tiny MLP, in one run.
 
-Chapter 03's claim: DataParallel's threads share one GIL, so a second thread speeds up
+Chapter 04's claim: DataParallel's threads share one GIL, so a second thread speeds up
 big convolutions (PyTorch releases the GIL inside them) and does not speed up many tiny
 layers (Python, under the GIL, dominates). Both networks run a forward pass of batch 64
 split over 1 and 2 threads (`mgpu_helpers.labs.threads`), in turns, round after round;

@@ -34,7 +34,7 @@ class SeedCNN(nn.Module):
 
 def as_sequential(model: SeedCNN) -> nn.Sequential:
     """The seed CNN as an ``nn.Sequential`` of its nine steps, sharing its layers, so that
-    it can be cut into pipeline stages (chapter 05). Computes exactly what ``model`` does."""
+    it can be cut into pipeline stages (chapter 06). Computes exactly what ``model`` does."""
     if not isinstance(model, SeedCNN):
         raise TypeError(f"as_sequential takes a SeedCNN, got {type(model).__name__}")
     return nn.Sequential(model.conv1, nn.ReLU(), model.conv2, nn.ReLU(), nn.MaxPool2d(2),

@@ -1,7 +1,7 @@
 """Pipeline parallelism from send/recv: a model cut into stages, one stage per rank,
 micro-batches flowing through them (GPipe), with a recorded timeline.
 
-Chapter 05 builds its understanding on these pieces:
+Chapter 06 builds its understanding on these pieces:
 
 * :func:`split_sequential` cuts an ``nn.Sequential`` into stages;
 * :func:`layer_costs` and :func:`balanced_cuts` measure each layer (parameters, FLOPs,

@@ -1,4 +1,4 @@
-"""Chapter 04's DDP training run of the seed CNN on the digits, shared with the script.
+"""Chapter 05's DDP training run of the seed CNN on the digits, shared with the script.
 
 :func:`train_digits` is what one rank runs: join the group (done by ``launch``), build a
 ``DistributedSampler``, wrap the model in ``DistributedDataParallel``, train with
@@ -13,7 +13,7 @@ as the uninterrupted run did: the final weights are bitwise equal on CPU.
 **The same run on 1 or 8 GPUs.** The settings fix the *global* batch (samples per
 optimizer step, over all ranks), not the batch per rank: with N ranks each rank takes
 ``global_batch / N`` samples, so the optimisation is the same whatever the number of
-GPUs (chapter 04 proves that N ranks with batch b equal one process with batch Nb).
+GPUs (chapter 05 proves that N ranks with batch b equal one process with batch Nb).
 Where N does not divide the global batch, or a run asks for another global batch, the
 learning rate follows the batch by the **square-root scaling rule** for Adam (Malladi et
 al., 2022; SGD would scale linearly, Goyal et al., 2017), reached by a warm-up from the

@@ -3,7 +3,7 @@
 ``nn.SyncBatchNorm`` computes the batch statistics over the *global* batch (every
 rank's samples) instead of each rank's own share, but refuses CPU tensors ("expected
 input tensor to be on GPU"). :class:`CpuSyncBatchNorm` is the same computation written
-with a differentiable ``all_reduce``, so chapter 04 can show what synchronisation changes
+with a differentiable ``all_reduce``, so chapter 05 can show what synchronisation changes
 on any machine. On GPUs use ``nn.SyncBatchNorm.convert_sync_batchnorm``: it is faster.
 """
 

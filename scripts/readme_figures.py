@@ -3,7 +3,7 @@
     python scripts/readme_figures.py [OUT_DIR]      # default: docs/images
 
 * ``augmentation_grid.png`` and ``augmentation_photo.png``: chapter 01's label-preserving
-  digit augmentation (the one chapter 04 trains with, ``mgpu_helpers.recipe.AUGMENT``) and
+  digit augmentation (the one chapter 05 trains with, ``mgpu_helpers.recipe.AUGMENT``) and
   the seed's photo pipeline, drawn by ``mgpu_helpers.viz.augmentation_grid``;
 * ``sampler_{without,with}_set_epoch.png``: chapter 02's picture of ``DistributedSampler``
   on 2 ranks, with and without ``set_epoch``, drawn by ``mgpu_helpers.viz.sampler_partitions`` from
@@ -45,7 +45,7 @@ def augmentation_figures(out_dir: Path) -> list[Path]:
                                  v2.RandomRotation(10),
                                  v2.ColorJitter(brightness=0.5, contrast=0.5, saturation=0.5)])
     digit_grid = viz.augmentation_grid(two, AUGMENT, draws=7, seed=SEED,
-                                       title="chapter 04's training augmentation on a digit")
+                                       title="chapter 05's training augmentation on a digit")
     photo_grid = viz.augmentation_grid(photo, photo_pipeline, draws=7, seed=SEED,
                                        title="the seed's pipeline on a photo")
     paths = [out_dir / "augmentation_grid.png", out_dir / "augmentation_photo.png"]

@@ -6,7 +6,7 @@
         --rdzv-endpoint HOST0:29400 --rdzv-id JOB scripts/train_ddp.py
     srun --ntasks-per-node 4 python scripts/train_ddp.py          # SLURM, no torchrun
 
-The training itself is chapter 04's `mgpu_helpers.recipe.train_digits`. It saves a
+The training itself is chapter 05's `mgpu_helpers.recipe.train_digits`. It saves a
 checkpoint after every epoch and resumes from it when restarted, so
 `torchrun --max-restarts 1` survives a killed rank and finishes with the same weights as
 an uninterrupted run (bitwise, on CPU): every epoch's data order and augmentation are

@@ -1,4 +1,4 @@
-"""Chapter 07's ablation: the variants, the interleaved order, the A/A noise band and the
+"""Chapter 08's ablation: the variants, the interleaved order, the A/A noise band and the
 verdicts (pure functions on synthetic numbers), the plumbing of `measure` with a fake
 launcher, a short real measurement, and the plot."""
 
@@ -206,13 +206,13 @@ def test_the_tuned_configuration_trains_with_static_graph_and_accumulation():
 
 
 @pytest.mark.slow
-# A real measurement, judged: chapter 07 runs one (3 rounds of every variant) under nbval
+# A real measurement, judged: chapter 08 runs one (3 rounds of every variant) under nbval
 # and checks it cell by cell (every variant in every round, the band, the ratios, each
 # verdict against the band).
 
 
 def test_ddp_default_buckets_split_fc_from_conv_and_100_mb_makes_one_bucket():
-    # the layout chapter 07 prints: the explicit 25 MB of TUNED equals PyTorch's default
+    # the layout chapter 08 prints: the explicit 25 MB of TUNED equals PyTorch's default
     # (None), and the variant's 100 MB leaves nothing to overlap
     default, tuned, big = launch(ablation.bucket_layouts, [None, 25, 100], nprocs=2,
                                  backend="gloo", timeout=30, join_timeout=120)

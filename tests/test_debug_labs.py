@@ -1,4 +1,4 @@
-"""Chapter 08's labs: every bug is detected, every fix passes, and the one-line summaries
+"""Chapter 09's labs: every bug is detected, every fix passes, and the one-line summaries
 the chapter prints do not depend on which rank reported first.
 
 No test can hang: each launch has a group timeout and a hard join_timeout. A lab that

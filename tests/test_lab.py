@@ -131,7 +131,7 @@ def test_make_lab_serves_chapter_00_on_loopback_with_token(tmp_path):
         wait_until_answering(base)
         status, landing = http(f"{base}/api/contents/{LANDING}?content=1", token)
         text = json.dumps(landing["content"])
-        assert "00_environment.ipynb" in text and "08_debugging_distributed.ipynb" in text
+        assert "00_environment.ipynb" in text and "09_debugging_distributed.ipynb" in text
         assert "Workbook plan" in text, "the landing page shows this machine's report"
 
         with pytest.raises(urllib.error.HTTPError) as refused:

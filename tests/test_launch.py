@@ -189,7 +189,7 @@ def failed_rank(index: int, message: str, failed_at: float):
 
 
 def test_a_peers_closed_connection_is_not_taken_for_the_root_cause():
-    # Seen in chapter 08: rank 0 timed out and closed its connections; rank 1's
+    # Seen in chapter 09: rank 0 timed out and closed its connections; rank 1's
     # "Connection closed by peer" was stamped a moment earlier than rank 0's own report.
     ranks = [failed_rank(0, "Timed out waiting 5000ms for recv operation", 10.002),
              failed_rank(1, "Connection closed by peer [127.0.0.1]:41177", 10.001)]

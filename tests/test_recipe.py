@@ -1,4 +1,4 @@
-"""Chapter 04's training run: settings checked, exact resume, results reported."""
+"""Chapter 05's training run: settings checked, exact resume, results reported."""
 
 import pytest
 import torch

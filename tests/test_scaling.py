@@ -1,4 +1,4 @@
-"""The weak-scaling measurement behind chapter 04's plot and benchmarks/ddp_scaling.py."""
+"""The weak-scaling measurement behind chapter 05's plot and benchmarks/ddp_scaling.py."""
 
 import matplotlib
 import pytest

@@ -1,5 +1,5 @@
 """FSDP2 and tensor parallelism on 2 gloo ranks compute what DDP and the unsharded
-layers compute (the groundwork for chapter 06)."""
+layers compute (the groundwork for chapter 07)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Chapter 03's GIL measurement (mgpu_helpers.labs.threads, benchmarks/gil_threads.py)."""
+"""Chapter 04's GIL measurement (mgpu_helpers.labs.threads, benchmarks/gil_threads.py)."""
 
 import threading
 

@@ -9,7 +9,7 @@ the chapter map with links and this machine's environment report.
 An authoring tool, not part of the helper package: chapters never import it.
 Command line (what the Makefile runs)::
 
-    python tools/chapters.py execute notebooks/04_*.ipynb   # run in place, timed
+    python tools/chapters.py execute notebooks/05_*.ipynb   # run in place, timed
     python tools/chapters.py nav                             # navigation lines
     python tools/chapters.py landing                         # notebooks/start_here.ipynb
 """
@@ -191,7 +191,7 @@ def helper_modules(path: Path) -> list[str]:
 
 
 def short_title(chapter: Chapter) -> str:
-    """``04 · DistributedDataParallel`` (the title up to its first colon)."""
+    """``05 · DistributedDataParallel`` (the title up to its first colon)."""
     return f"{chapter.number} · {chapter.title.split(':')[0].strip()}"
 
 
@@ -230,7 +230,7 @@ def _set_navigation(first_cell: str, line: str) -> str:
     return "\n".join([lines[0], "", line, *lines[1:]])
 
 
-# The closing paragraph of a chapter's last cell: "Next: [05 · Title](05_x.ipynb): what it
+# The closing paragraph of a chapter's last cell: "Next: [06 · Title](05_x.ipynb): what it
 # adds." `make nav` keeps the link right and leaves the words after it to the author.
 CLOSING_PATTERN = re.compile(r"^Next: \[[^\]]*\]\([^)]*\)(?P<teaser>.*)$", re.MULTILINE)
 

@@ -10,7 +10,7 @@ compared (that is nbval's job, on CPUs); what is checked is that every cell, wit
 `assert`s, passes here.
 
     python tools/gpu_check.py                    # every chapter + the torchrun script
-    python tools/gpu_check.py --chapters notebooks/04_*.ipynb --no-script
+    python tools/gpu_check.py --chapters notebooks/05_*.ipynb --no-script
     python tools/gpu_check.py --wheels .whl      # a node without network: see README
     python tools/gpu_check.py --record runs/gpu_check/report.json   # store a GPU run's
                                                  # verdicts in the chapters (landing page)
@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "runs" / "gpu_check"
 CHAPTER_TIMEOUT_S = 300
 SCRIPT_TIMEOUT_S = 300
-REQUIRED_ACCURACY = 0.90  # chapter 04's stated test accuracy, also the script's
+REQUIRED_ACCURACY = 0.90  # chapter 05's stated test accuracy, also the script's
 # Imported by the chapters; a bare PyTorch image may lack the first two.
 NEEDED_MODULES = ("torch", "IPython", "ipywidgets", "matplotlib", "tqdm", "cloudpickle", "sklearn",
                   "PIL", "torchvision", "numpy")

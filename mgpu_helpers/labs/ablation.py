@@ -1,8 +1,8 @@
-"""Chapter 07's ablation: training throughput with each optimisation switched off in turn,
+"""Chapter 08's ablation: training throughput with each optimisation switched off in turn,
 judged against an A/A control instead of a fixed threshold.
 
 The tuned configuration ("all on") switches every optimisation on; each variant switches
-exactly one off. Every run is :func:`mgpu_helpers.labs.throughput.timed_epoch` (chapter 04's DDP
+exactly one off. Every run is :func:`mgpu_helpers.labs.throughput.timed_epoch` (chapter 05's DDP
 pipeline) on the ranks :func:`measure` is given (2 CPU ranks by default).
 
 How a shared, drifting machine is kept from deciding the verdicts:

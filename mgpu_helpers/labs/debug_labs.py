@@ -1,4 +1,4 @@
-"""Chapter 08's labs: distributed-training bugs reproduced on purpose, and their fixes.
+"""Chapter 09's labs: distributed-training bugs reproduced on purpose, and their fixes.
 
 Each ``lab_*`` function runs inside a rank (``launch(lab_..., nprocs=2, timeout=...)``).
 With ``fixed=False`` it contains the bug and fails (or returns evidence of it) within the

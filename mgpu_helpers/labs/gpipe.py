@@ -1,4 +1,4 @@
-"""Chapter 05's GPipe measurement: step time and idle share of a pipeline on CPU ranks,
+"""Chapter 06's GPipe measurement: step time and idle share of a pipeline on CPU ranks,
 for 1 to M micro-batches (the naive split is M = 1), with each step's timeline.
 
 The pipeline itself (``split_sequential``, ``gpipe_step``, ``Timeline``...) is the core

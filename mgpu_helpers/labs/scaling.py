@@ -1,4 +1,4 @@
-"""Weak-scaling measurement of DDP training: chapter 04's plot and ``benchmarks/ddp_scaling.py``.
+"""Weak-scaling measurement of DDP training: chapter 05's plot and ``benchmarks/ddp_scaling.py``.
 
 Weak scaling keeps the work *per rank* fixed (same batch size, same number of samples
 per rank) and adds ranks. Perfect scaling multiplies throughput by the number of ranks;

@@ -1,4 +1,4 @@
-"""Chapter 03's GIL measurement: does a second Python thread speed up a forward pass?
+"""Chapter 04's GIL measurement: does a second Python thread speed up a forward pass?
 
 ``DataParallel`` runs its replicas on Python threads of one process. A thread holds the
 GIL while it runs Python (module calls, hooks, autograd bookkeeping) and releases it
@@ -7,7 +7,7 @@ kernels: a lot for big convolutions, nothing (or less than nothing) for many tin
 
 :func:`measure` times both kinds of network with 1 and 2 threads, taking turns round
 after round so that a drifting machine slows every case alike, and reports each case's
-median speed-up. ``benchmarks/gil_threads.py`` stores its result, which chapter 03 checks;
+median speed-up. ``benchmarks/gil_threads.py`` stores its result, which chapter 04 checks;
 the chapter's own live timings depend on what else the machine runs at that moment.
 """
 
@@ -30,7 +30,7 @@ def tiny_mlp() -> nn.Sequential:
 
 
 def cases(batch_size: int = 64) -> dict[str, tuple[nn.Module, torch.Tensor]]:
-    """The two networks chapter 03 compares, with their inputs (CPU; the values do not
+    """The two networks chapter 04 compares, with their inputs (CPU; the values do not
     matter for the timing, so the weights keep their default random initialisation)."""
     generator = torch.Generator().manual_seed(0)
     return {

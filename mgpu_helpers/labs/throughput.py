@@ -1,5 +1,5 @@
-"""One timed epoch of chapter 04's DDP pipeline under given options: the measurement
-behind chapter 04's scaling plot (``scaling``) and chapter 07's ablation (``ablation``).
+"""One timed epoch of chapter 05's DDP pipeline under given options: the measurement
+behind chapter 05's scaling plot (``scaling``) and chapter 08's ablation (``ablation``).
 
 The pipeline: ``DistributedSampler``, augmenting ``DataLoader``, ``DistributedDataParallel``
 (also for one rank, so comparisons are like for like), ``train_one_epoch`` with its global
@@ -40,7 +40,7 @@ COMM_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "none": _keep_local_grad
 
 @dataclass(frozen=True)
 class TrainingOptions:
-    """What a timed epoch switches on. The defaults are plain DDP as chapter 04 runs it."""
+    """What a timed epoch switches on. The defaults are plain DDP as chapter 05 runs it."""
 
     workers: int = 0                      # DataLoader worker processes per rank
     pin_memory: bool = False              # page-locked batches (only used with a GPU)

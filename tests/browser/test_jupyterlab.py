@@ -1,7 +1,7 @@
 """The workbook as readers use it: JupyterLab in a real Chromium, driven by Playwright.
 
 One JupyterLab server (free 127.0.0.1 port, random token) serves copies of every chapter
-and the landing page; one headless Chromium opens chapters 01 and 04 (04 up to its
+and the landing page; one headless Chromium opens chapters 01 and 05 (04 up to its
 training run and plot: nbval runs the rest; 00 too under `make screenshots`), clears
 their stored outputs, runs every cell from the Run menu, saves them, and checks what a
 reader would see: no error output (beyond cells tagged ``raises-exception``), every plot
@@ -29,11 +29,11 @@ from lab_session import ROOT, LabServer, chromium_page, find_chromium, prepare_w
 
 ALL_CHAPTERS = sorted(path.name for path in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 CHAPTERS = ["00_environment.ipynb", "01_datasets_and_augmentation.ipynb",
-            "04_distributed_data_parallel.ipynb"]  # run in the browser
+            "05_distributed_data_parallel.ipynb"]  # run in the browser
 RUN_TIMEOUT_S = 600  # generous: a browser and a kernel share 2 cores
-# Chapter 04 in the browser: its cells up to the plot of the training run (the part with
+# Chapter 05 in the browser: its cells up to the plot of the training run (the part with
 # launched ranks' output and a progress bar); nbval runs the whole chapter.
-CHAPTER_04_LAST_CELL = "history = result[\"history\"]"
+CHAPTER_05_LAST_CELL = "history = result[\"history\"]"
 ARTIFACTS = Path(os.environ.get("BROWSER_ARTIFACTS", ROOT / "runs" / "browser"))
 
 def _missing() -> str | None:
@@ -77,7 +77,7 @@ SETTLED_POLLS = 6  # kernel idle, nothing waiting, for 3 s: Run All has finished
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     workdir = prepare_workdir(tmp_path_factory.mktemp("browser") / "workbook", ALL_CHAPTERS)
-    shorten(workdir / "notebooks" / CHAPTERS[2], CHAPTER_04_LAST_CELL)
+    shorten(workdir / "notebooks" / CHAPTERS[2], CHAPTER_05_LAST_CELL)
     chapters.write_landing(workdir / "notebooks", workdir / "notebooks" / chapters.LANDING_NAME)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     server = LabServer(workdir, workdir / "jupyterlab.log")  # kept with pytest's tmp dirs
@@ -99,7 +99,7 @@ def shorten(path: Path, last_cell: str) -> None:
     sources = ["".join(cell["source"]) for cell in notebook["cells"]]
     end = next(i for i, source in enumerate(sources) if source.startswith(last_cell))
     cleanup = next(cell for cell in notebook["cells"][::-1] if cell["cell_type"] == "code")
-    assert "rmtree(workdir)" in "".join(cleanup["source"]), "chapter 04's last cell changed"
+    assert "rmtree(workdir)" in "".join(cleanup["source"]), "chapter 05's last cell changed"
     notebook["cells"] = notebook["cells"][:end + 1] + [cleanup]
     path.write_text(json.dumps(notebook))
 

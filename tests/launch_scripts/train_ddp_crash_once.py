@@ -1,7 +1,7 @@
 """scripts/train_ddp.py with rank 1 killed as epoch 1 starts, on torchrun's first attempt
 only (TORCHELASTIC_RESTART_COUNT=0): the restarted ranks resume from the checkpoint.
 
-Arguments are scripts/train_ddp.py's. The kill is chapter 08's crash lab
+Arguments are scripts/train_ddp.py's. The kill is chapter 09's crash lab
 (mgpu_helpers.labs.debug_labs.rank_killed_at_epoch), not a switch of the script.
 """
 

@@ -1,0 +1,103 @@
+"""The collectives chapter's cost model of an all-reduce, and its measurement.
+
+A ring all-reduce over N ranks takes 2(N-1) steps (N-1 of reduce-scatter, N-1 of
+all-gather), and each rank sends 2(N-1)/N of the tensor's bytes. So its time is about
+
+    t(bytes) = alpha * 2(N-1) + 2(N-1)/N * bytes / bandwidth
+
+with ``alpha`` the fixed cost of one step (latency, call overhead) and ``bandwidth`` the
+bytes per second one rank's link moves. :func:`allreduce_seconds` measures ``t`` inside
+the ranks, :func:`fit` finds ``alpha`` and ``bandwidth`` from those measurements, and
+:func:`predict` applies them to other sizes (chapter 03 predicts the seed CNN's gradient
+all-reduce in DDP with it; ``benchmarks/allreduce_cost.py`` stores a run).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..ranks import device
+
+#: 64 B to 64 MiB in steps of 4x: where the fixed cost dominates, and where bytes do.
+SIZES = tuple(64 * 4 ** k for k in range(11))
+
+
+def steps_and_volume(nbytes: float, world: int) -> tuple[int, float]:
+    """A ring all-reduce's number of steps and the bytes each rank sends."""
+    if world < 2:
+        raise ValueError(f"an all-reduce needs at least 2 ranks, got {world}")
+    return 2 * (world - 1), 2 * (world - 1) / world * nbytes
+
+
+def allreduce_seconds(sizes=SIZES, repeats: int = 5) -> list[float]:
+    """Inside a rank: the time of one ``dist.all_reduce`` of a float32 tensor of each size
+    in bytes, on the rank's device. Each timing runs several all-reduces back to back
+    (up to 16 for small tensors, so that the ranks run in step and a late wake-up of one
+    process is spread over many calls) and divides; the median of ``repeats`` timings,
+    after a warm-up."""
+    here = device()  # cuda:k under NCCL, else the CPU
+    finish = torch.cuda.synchronize if here.type == "cuda" else (lambda: None)
+    seconds = []
+    for nbytes in sizes:
+        tensor = torch.ones(max(1, nbytes // 4), device=here)
+        calls = max(1, min(16, 2 ** 24 // nbytes))
+        dist.all_reduce(tensor)  # warm-up: connections, buffers
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            finish()
+            start = time.perf_counter()
+            for _ in range(calls):
+                dist.all_reduce(tensor)
+            finish()  # a CUDA all-reduce returns once queued: wait until it has run
+            times.append((time.perf_counter() - start) / calls)
+        seconds.append(statistics.median(times))
+    return seconds
+
+
+def fit(sizes, seconds, world: int) -> tuple[float, float]:
+    """``(alpha, bandwidth)`` of the model above, fitted by least squares on the relative
+    error (each size counts alike, from 64 B to 64 MiB)."""
+    if len(sizes) != len(seconds) or len(sizes) < 2:
+        raise ValueError("fit needs at least 2 sizes, one time each")
+    rows = np.array([steps_and_volume(n, world) for n in sizes], dtype=float)
+    times = np.asarray(seconds, dtype=float)
+    weights = 1.0 / times
+    (alpha, seconds_per_byte), *_ = np.linalg.lstsq(rows * weights[:, None], times * weights,
+                                                    rcond=None)
+    if alpha <= 0 or seconds_per_byte <= 0:
+        raise ValueError(f"the times do not fit the model (alpha {alpha:.3g} s, "
+                         f"{seconds_per_byte:.3g} s/byte): measure again on a quieter machine")
+    return float(alpha), float(1.0 / seconds_per_byte)
+
+
+def predict(nbytes: float, alpha: float, bandwidth: float, world: int) -> float:
+    """The model's time for one all-reduce of ``nbytes``."""
+    steps, volume = steps_and_volume(nbytes, world)
+    return alpha * steps + volume / bandwidth
+
+
+def buckets_seconds(bucket_bytes: list[int], repeats: int = 5) -> float:
+    """Inside a rank: the median time of all-reducing one float32 tensor per bucket (sizes
+    in bytes), one after the other, as DDP does once per step (here without a backward
+    pass to overlap with)."""
+    here = device()
+    finish = torch.cuda.synchronize if here.type == "cuda" else (lambda: None)
+    tensors = [torch.ones(nbytes // 4, device=here) for nbytes in bucket_bytes]
+    for tensor in tensors:
+        dist.all_reduce(tensor)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        finish()
+        start = time.perf_counter()
+        for tensor in tensors:
+            dist.all_reduce(tensor)
+        finish()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
