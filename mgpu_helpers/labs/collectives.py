@@ -34,29 +34,35 @@ def steps_and_volume(nbytes: float, world: int) -> tuple[int, float]:
     return 2 * (world - 1), 2 * (world - 1) / world * nbytes
 
 
+def _median_seconds(work, repeats: int, calls: int = 1) -> float:
+    """Inside a rank: the median over ``repeats`` timings of ``calls`` runs of ``work``
+    (divided by ``calls``), every rank starting together; on a GPU the clock stops only
+    once the queued work has run."""
+    finish = torch.cuda.synchronize if device().type == "cuda" else (lambda: None)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        finish()
+        start = time.perf_counter()
+        for _ in range(calls):
+            work()
+        finish()
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
+
+
 def allreduce_seconds(sizes=SIZES, repeats: int = 5) -> list[float]:
     """Inside a rank: the time of one ``dist.all_reduce`` of a float32 tensor of each size
     in bytes, on the rank's device. Each timing runs several all-reduces back to back
     (up to 16 for small tensors, so that the ranks run in step and a late wake-up of one
     process is spread over many calls) and divides; the median of ``repeats`` timings,
     after a warm-up."""
-    here = device()  # cuda:k under NCCL, else the CPU
-    finish = torch.cuda.synchronize if here.type == "cuda" else (lambda: None)
     seconds = []
     for nbytes in sizes:
-        tensor = torch.ones(max(1, nbytes // 4), device=here)
-        calls = max(1, min(16, 2 ** 24 // nbytes))
+        tensor = torch.ones(max(1, nbytes // 4), device=device())
         dist.all_reduce(tensor)  # warm-up: connections, buffers
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            finish()
-            start = time.perf_counter()
-            for _ in range(calls):
-                dist.all_reduce(tensor)
-            finish()  # a CUDA all-reduce returns once queued: wait until it has run
-            times.append((time.perf_counter() - start) / calls)
-        seconds.append(statistics.median(times))
+        calls = max(1, min(16, 2 ** 24 // nbytes))
+        seconds.append(_median_seconds(lambda t=tensor: dist.all_reduce(t), repeats, calls))
     return seconds
 
 
@@ -86,18 +92,12 @@ def buckets_seconds(bucket_bytes: list[int], repeats: int = 5) -> float:
     """Inside a rank: the median time of all-reducing one float32 tensor per bucket (sizes
     in bytes), one after the other, as DDP does once per step (here without a backward
     pass to overlap with)."""
-    here = device()
-    finish = torch.cuda.synchronize if here.type == "cuda" else (lambda: None)
-    tensors = [torch.ones(nbytes // 4, device=here) for nbytes in bucket_bytes]
+    tensors = [torch.ones(nbytes // 4, device=device()) for nbytes in bucket_bytes]
     for tensor in tensors:
-        dist.all_reduce(tensor)
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        finish()
-        start = time.perf_counter()
+        dist.all_reduce(tensor)  # warm-up
+
+    def all_buckets():
         for tensor in tensors:
             dist.all_reduce(tensor)
-        finish()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+
+    return _median_seconds(all_buckets, repeats)
