@@ -195,6 +195,16 @@ def _restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _every_rank_rng_state() -> list[dict]:
+    """Each rank's RNG states, in rank order, gathered on rank 0 (others get ``[]``)."""
+    mine = _rng_state()
+    if not (dist.is_available() and dist.is_initialized()) or world_size() == 1:
+        return [mine]
+    states = [None] * world_size() if is_main() else None
+    dist.gather_object(mine, states, dst=0)
+    return states or []
+
+
 def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                     epoch: int, sampler_epoch: int | None = None, extra: dict | None = None):
     """Write a checkpoint atomically from rank 0; every rank waits until it is complete.
@@ -209,6 +219,7 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         extra: more plain data to store (metrics, configuration).
     """
     path = Path(path)
+    rng_states = _every_rank_rng_state()  # a collective: every rank takes part
     if is_main():
         state = {
             "format": CHECKPOINT_FORMAT,
@@ -216,7 +227,7 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
             "optimizer": optimizer.state_dict(),
             "epoch": int(epoch),
             "sampler_epoch": int(epoch if sampler_epoch is None else sampler_epoch),
-            "rng": _rng_state(),
+            "rng": rng_states,  # one entry per rank: ranks draw different numbers
             "world_size": world_size(),
             "extra": extra or {},
         }
@@ -236,10 +247,27 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         dist.barrier()  # nobody loads or overwrites it while rank 0 is still writing
 
 
+def _this_rank_rng_state(saved, path: Path) -> dict:
+    """This rank's entry of a checkpoint's RNG states (older checkpoints hold one)."""
+    states = saved if isinstance(saved, list) else [saved]
+    if len(states) != world_size():
+        raise ValueError(
+            f"{path} holds the RNG states of {len(states)} rank(s), but this run has "
+            f"{world_size()}: they cannot be handed out one per rank. Resume with "
+            "restore_rng=False, and seed each rank's randomness from (seed, epoch, rank) "
+            "as recipe.train_digits does."
+        )
+    return states[rank()]
+
+
 def load_checkpoint(path: str | Path, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None,
                     restore_rng: bool = True) -> dict:
     """Load a checkpoint into ``model`` (and ``optimizer``) on this rank's device.
+
+    ``restore_rng`` gives each rank back its own random-number states (the checkpoint
+    holds one set per rank, so ranks keep drawing different augmentations and dropout
+    masks); it needs the same number of ranks as the run that saved.
 
     Returns:
         ``{"epoch", "sampler_epoch", "world_size", "extra"}`` from the checkpoint.
@@ -264,5 +292,5 @@ def load_checkpoint(path: str | Path, model: nn.Module,
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     if restore_rng:
-        _restore_rng(state["rng"])
+        _restore_rng(_this_rank_rng_state(state["rng"], path))
     return {key: state[key] for key in ("epoch", "sampler_epoch", "world_size", "extra")}

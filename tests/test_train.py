@@ -209,3 +209,47 @@ def test_ddp_ranks_share_one_checkpoint_written_by_rank0(tmp_path):
     assert files0 == files1 == ["ddp.pt"]
     for a, b in zip(weights0, weights1, strict=True):
         assert torch.equal(a, b)
+
+
+def augmentation_draws(path, resume):
+    """Each rank draws its epoch-2 "augmentations" (torch, numpy and Python RNGs) after
+    epoch 1, either straight on or after a resume from the epoch-1 checkpoint."""
+    import random
+
+    import numpy as np
+
+    from mgpu_helpers import rank
+
+    model = toy_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if resume:
+        torch.manual_seed(999)  # a restarted process starts from other states
+        np.random.seed(999)
+        random.seed(999)
+        load_checkpoint(path, model, optimizer, restore_rng=True)
+    else:
+        torch.manual_seed(100 + rank())  # ranks augment differently (chapter 02)
+        np.random.seed(100 + rank())
+        random.seed(100 + rank())
+        torch.rand(8)  # epoch 1's draws
+        save_checkpoint(path, model, optimizer, epoch=1)
+    return torch.cat([torch.rand(4), torch.from_numpy(np.random.rand(2)).float(),
+                      torch.tensor([random.random()])])
+
+
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_resume_gives_every_rank_back_its_own_random_state(tmp_path):
+    """Chapter 02's identical-augmentation bug, at resume: each rank must get its own
+    RNG states back, not rank 0's."""
+    path = str(tmp_path / "rng.pt")
+    straight = launch(augmentation_draws, path, False, nprocs=2, backend="gloo",
+                      return_all=True)
+    resumed = launch(augmentation_draws, path, True, nprocs=2, backend="gloo",
+                     return_all=True)
+    assert not torch.equal(straight[0], straight[1])  # the ranks draw differently
+    for before, after in zip(straight, resumed, strict=True):
+        assert torch.equal(before, after)  # and each continues its own sequence
+
+    with pytest.raises(ValueError, match=r"RNG states of 2 rank\(s\), but this run has 1"):
+        load_checkpoint(path, toy_model(), restore_rng=True)
+    assert load_checkpoint(path, toy_model(), restore_rng=False)["world_size"] == 2

@@ -1,8 +1,12 @@
 """The chapters' experiments and measurements: imported by notebooks and benchmarks, not
 by the core helpers (a test checks the direction).
 
+* :mod:`.collectives`: chapter 03's ring all-reduce and all-reduce cost model;
 * :mod:`.threads`: chapter 04's GIL measurement (a second thread on a forward pass);
 * :mod:`.scaling`: chapter 05's strong and weak scaling runs;
+* :mod:`.scaling_rule`: chapter 05's learning-rate scaling rule on simulated ranks;
+* :mod:`.ddp_internals`: chapter 05's backward timeline, uneven inputs with ``Join``,
+  gradient clipping with a ``GradScaler`` and with ``no_sync``;
 * :mod:`.throughput`: one timed epoch of chapter 05's DDP pipeline, with switchable
   optimisations (for scaling and the ablation);
 * :mod:`.ablation`: chapter 08's ablation, judged against an A/A noise band;

@@ -1,4 +1,6 @@
-"""The collectives chapter's cost model of an all-reduce, and its measurement.
+"""The collectives chapter's ring all-reduce, its cost model, and its measurement.
+
+:func:`ring_all_reduce` builds an all-reduce from point-to-point sends and receives.
 
 A ring all-reduce over N ranks takes 2(N-1) steps (N-1 of reduce-scatter, N-1 of
 all-gather), and each rank sends 2(N-1)/N of the tensor's bytes. So its time is about
@@ -32,6 +34,34 @@ def steps_and_volume(nbytes: float, world: int) -> tuple[int, float]:
     if world < 2:
         raise ValueError(f"an all-reduce needs at least 2 ranks, got {world}")
     return 2 * (world - 1), 2 * (world - 1) / world * nbytes
+
+
+def ring_all_reduce(tensor: torch.Tensor) -> dict:
+    """Inside a rank: sum ``tensor`` over all ranks, in place, with a ring of sends and
+    receives (reduce-scatter, then all-gather). Returns the messages and bytes this rank
+    sent."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % n, (rank - 1) % n
+    chunks = list(tensor.tensor_split(n))  # views: writing a chunk writes the tensor
+    sent = {"messages": 0, "bytes": 0}
+
+    def exchange(send_index, receive_index):
+        incoming = torch.empty_like(chunks[receive_index])
+        request = dist.isend(chunks[send_index], right)
+        dist.recv(incoming, left)
+        request.wait()
+        sent["messages"] += 1
+        sent["bytes"] += chunks[send_index].numel() * chunks[send_index].element_size()
+        return incoming
+
+    for step in range(n - 1):  # 1. reduce-scatter: add what arrives
+        send, receive = (rank - step) % n, (rank - step - 1) % n
+        chunks[receive] += exchange(send, receive)
+    # now this rank holds the complete sum of chunk (rank + 1) % n
+    for step in range(n - 1):  # 2. all-gather: pass the complete chunks on
+        send, receive = (rank + 1 - step) % n, (rank - step) % n
+        chunks[receive].copy_(exchange(send, receive))
+    return sent
 
 
 def _median_seconds(work, repeats: int, calls: int = 1) -> float:
