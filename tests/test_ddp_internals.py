@@ -50,23 +50,23 @@ def test_uneven_ranks_without_join_hang_until_the_group_timeout():
                timeout=2)
 
 
-def test_amp_clipping_needs_unscale_first():
-    for ranks in (None, 2):
-        def run(unscale_first):
-            if ranks is None:
-                return [ddp_internals.amp_clipped_step(unscale_first)]
-            return launch(ddp_internals.amp_clipped_step, unscale_first, nprocs=ranks,
-                          backend="gloo", return_all=True)
+@pytest.mark.parametrize("ranks", [None, 2])
+def test_amp_clipping_needs_unscale_first(ranks):
+    def run(unscale_first):
+        if ranks is None:  # one plain process
+            return [ddp_internals.amp_clipped_step(unscale_first)]
+        return launch(ddp_internals.amp_clipped_step, unscale_first, nprocs=ranks,
+                      backend="gloo", return_all=True)
 
-        right, wrong = run(True), run(False)
-        for outcome in (right, wrong):
-            assert all(torch.equal(o["weights"], outcome[0]["weights"]) for o in outcome)
-        right, wrong = right[0], wrong[0]
-        assert right["true_norm"] > 0.1
-        assert right["seen_norm"] == pytest.approx(right["true_norm"], rel=1e-3)
-        assert right["update_norm"] == pytest.approx(0.5 * 0.1, rel=1e-3)
-        assert wrong["seen_norm"] == pytest.approx(wrong["true_norm"] * 1024, rel=1e-2)
-        assert right["update_norm"] == pytest.approx(wrong["update_norm"] * 1024, rel=1e-2)
+    right, wrong = run(True), run(False)
+    for outcome in (right, wrong):
+        assert all(torch.equal(o["weights"], outcome[0]["weights"]) for o in outcome)
+    right, wrong = right[0], wrong[0]
+    assert right["true_norm"] > 0.1
+    assert right["seen_norm"] == pytest.approx(right["true_norm"], rel=1e-3)
+    assert right["update_norm"] == pytest.approx(0.5 * 0.1, rel=1e-3)
+    assert wrong["seen_norm"] == pytest.approx(wrong["true_norm"] * 1024, rel=1e-2)
+    assert right["update_norm"] == pytest.approx(wrong["update_norm"] * 1024, rel=1e-2)
 
 
 def test_clipping_once_after_no_sync_accumulation_is_the_big_batch_step():
