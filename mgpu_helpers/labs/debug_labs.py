@@ -263,6 +263,59 @@ def lab_rank_dependent_init(fixed: bool = False) -> bool:
     return replicas_agree(model)
 
 
+def lab_fsdp_rank_dependent_init(fixed: bool = False) -> dict:
+    """The same habit under FSDP2: ``fully_shard`` keeps each rank's own shard of the
+    weights that rank initialised, and broadcasts nothing. With rank-dependent seeds the
+    model is stitched from different ranks' initialisations. The fix: one seed for the
+    model on every rank (for models too big to build whole, build on the ``meta`` device,
+    shard, then ``to_empty`` and ``reset_parameters()`` under that seed, or load rank 0's
+    weights with ``set_model_state_dict(..., broadcast_from_rank0=True)``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(1234 if fixed else 1234 + rank())
+    model = nn.Linear(8, 4)
+    built = model.weight.detach().clone()  # what this rank initialised
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size(),)))
+    return {"built": built, "sharded": model.weight.full_tensor()}
+
+
+def lab_flight_recorder(folder: str, dump_after: float = 1.5) -> None:
+    """Lab 2's collectives in a different order on each rank, with PyTorch's flight
+    recorder: after ``dump_after`` seconds a timer thread writes this rank's record of
+    its recent collectives to ``folder`` (what ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` does for
+    NCCL when the watchdog fires), while the rank hangs until the group's timeout."""
+    import threading
+    from pathlib import Path
+
+    def dump():
+        records = torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=False)
+        Path(folder, f"rank{rank()}.pkl").write_bytes(records)
+
+    timer = threading.Timer(dump_after, dump)
+    timer.daemon = True
+    timer.start()
+    dist.all_reduce(torch.ones(2))  # a matched collective first
+    lab_mismatched_order()
+
+
+def flight_records(folder: str, ranks: int) -> list[dict]:
+    """Each rank's dump from :func:`lab_flight_recorder`: its collectives as
+    ``(sequence number, name, input sizes)`` and the last one it completed."""
+    import pickle
+    from pathlib import Path
+
+    records = []
+    for index in range(ranks):
+        dump = pickle.loads(Path(folder, f"rank{index}.pkl").read_bytes())
+        entries = [(e["collective_seq_id"], e["profiling_name"],
+                    [list(size) for size in e["input_sizes"]]) for e in dump["entries"]]
+        (status,) = dump["pg_status"].values()
+        records.append({"collectives": entries,
+                        "last_completed": status["last_completed_collective"]})
+    return records
+
+
 class AugmentationDraws(Dataset):
     """Stands in for an augmenting dataset: each sample draws its rotation angle exactly
     as torchvision's ``RandomAffine`` does (from torch's random generator, which the
