@@ -9,6 +9,7 @@ by the core helpers (a test checks the direction).
   gradient clipping with a ``GradScaler`` and with ``no_sync``;
 * :mod:`.throughput`: one timed epoch of chapter 05's DDP pipeline, with switchable
   optimisations (for scaling and the ablation);
+* :mod:`.zero`: chapter 07's ZeRO-3 linear layer from scratch;
 * :mod:`.ablation`: chapter 08's ablation, judged against an A/A noise band;
 * :mod:`.gpipe`: chapter 06's GPipe step times and timelines;
 * :mod:`.debug_labs`: chapter 09's broken-and-fixed distributed programs.
