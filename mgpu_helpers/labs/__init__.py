@@ -10,6 +10,7 @@ by the core helpers (a test checks the direction).
 * :mod:`.throughput`: one timed epoch of chapter 05's DDP pipeline, with switchable
   optimisations (for scaling and the ablation);
 * :mod:`.zero`: chapter 07's ZeRO-3 linear layer from scratch;
+* :mod:`.dcp`: chapter 07's distributed checkpoint, saved by 4 ranks and loaded by 2;
 * :mod:`.ablation`: chapter 08's ablation, judged against an A/A noise band;
 * :mod:`.gpipe`: chapter 06's GPipe step times and timelines;
 * :mod:`.debug_labs`: chapter 09's broken-and-fixed distributed programs.
