@@ -11,6 +11,8 @@ by the core helpers (a test checks the direction).
   optimisations (for scaling and the ablation);
 * :mod:`.zero`: chapter 07's ZeRO-3 linear layer from scratch;
 * :mod:`.dcp`: chapter 07's distributed checkpoint, saved by 4 ranks and loaded by 2;
+* :mod:`.recompute`: chapter 07's activation checkpointing, full and selective;
+* :mod:`.mesh2d`: chapter 07's 2-D mesh, FSDP across and tensor parallelism within;
 * :mod:`.ablation`: chapter 08's ablation, judged against an A/A noise band;
 * :mod:`.gpipe`: chapter 06's GPipe step times and timelines;
 * :mod:`.debug_labs`: chapter 09's broken-and-fixed distributed programs.
