@@ -227,3 +227,31 @@ def test_activation_meter_counts_saved_activations_until_backward_frees_them():
     # Linear 1 saves its input (10x8 floats), ReLU its output (10x32), which Linear 2
     # saves too (counted once); the weights are not counted
     assert after_one == 4 * (10 * 8 + 10 * 32)
+
+
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_interleaved_1f1b_with_two_virtual_stages_per_rank_gives_the_unsplit_gradients():
+    from mgpu_helpers.models import SeedCNN
+
+    torch.manual_seed(0)
+    images, labels = torch.rand(16, 3, 32, 32), torch.randint(0, 10, (16,))
+    ranks = launch(gpipe.interleaved_step, images, labels, [2, 4, 6], 4, nprocs=2,
+                   backend="gloo", return_all=True)
+    torch.manual_seed(0)
+    model = SeedCNN()
+    loss = F.cross_entropy(model(images), labels)
+    loss.backward()
+    merged = {name: grad for _, grads in ranks for name, grad in grads.items()}
+    assert sorted(merged) == sorted(name for name, _ in model.named_parameters())
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(merged[name], parameter.grad, rtol=1e-4, atol=1e-6)
+    assert all(abs(rank_loss - loss.item()) < 1e-5 for rank_loss, _ in ranks)
+
+
+def test_interleaving_needs_two_stages_per_rank():
+    def one_rank_three_cuts():
+        return gpipe.interleaved_step(torch.rand(4, 3, 32, 32), torch.zeros(4).long(),
+                                      [2, 4, 6], 4)
+
+    with pytest.raises(LaunchError, match="1 ranks with 2 virtual stages each need 1 cuts"):
+        launch(one_rank_three_cuts, nprocs=1, backend="gloo")

@@ -14,6 +14,6 @@ by the core helpers (a test checks the direction).
 * :mod:`.recompute`: chapter 07's activation checkpointing, full and selective;
 * :mod:`.mesh2d`: chapter 07's 2-D mesh, FSDP across and tensor parallelism within;
 * :mod:`.ablation`: chapter 08's ablation, judged against an A/A noise band;
-* :mod:`.gpipe`: chapter 06's GPipe step times and timelines;
+* :mod:`.gpipe`: chapter 06's GPipe step times and timelines, and interleaved 1F1B;
 * :mod:`.debug_labs`: chapter 09's broken-and-fixed distributed programs.
 """

@@ -115,3 +115,39 @@ def measure_gpipe(micro_batch_counts: Sequence[int] = (1, 2, 4, 8, 16), stages: 
     for m in counts:
         result[m]["speedup"] = result[1]["seconds"] / result[m]["seconds"]
     return result
+
+
+def interleaved_step(images: torch.Tensor, labels: torch.Tensor, cuts: list[int],
+                     micro_batches: int, seed: int = 0) -> tuple[float, dict]:
+    """Inside one of K ranks: one training step of the seed CNN cut at ``cuts`` into 2K
+    stages, run by ``torch.distributed.pipelining.ScheduleInterleaved1F1B``. Rank r holds
+    stages r and r + K (two *virtual* stages), so the first and the last stage live on
+    ranks 0 and K - 1. Returns the batch's mean loss (on every rank) and this rank's
+    gradients by parameter name, to compare with the unsplit model."""
+    import torch.nn.functional as F
+    from torch.distributed import pipelining
+
+    from ..models import SeedCNN, as_sequential
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if len(cuts) + 1 != 2 * world:
+        raise ValueError(f"{world} ranks with 2 virtual stages each need {2 * world - 1} "
+                         f"cuts, got {len(cuts)}")
+    torch.manual_seed(seed)
+    model = SeedCNN()
+    pieces = split_sequential(as_sequential(model), cuts)
+    stages = [pipelining.PipelineStage(pieces[index], index, len(pieces), torch.device("cpu"))
+              for index in (rank, rank + world)]
+    schedule = pipelining.ScheduleInterleaved1F1B(stages, n_microbatches=micro_batches,
+                                                  loss_fn=F.cross_entropy)
+    losses = []
+    if rank == 0:
+        schedule.step(images)
+    elif rank == world - 1:
+        schedule.step(target=labels, losses=losses)
+    else:
+        schedule.step()
+    loss = torch.tensor(sum(x.item() for x in losses) / micro_batches if losses else 0.0)
+    dist.broadcast(loss, src=world - 1)
+    return loss.item(), {name: p.grad for name, p in model.named_parameters()
+                         if p.grad is not None}
