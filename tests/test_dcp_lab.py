@@ -30,3 +30,22 @@ def test_a_checkpoint_of_4_sharded_ranks_resumes_on_2_and_on_4(tmp_path):
     short = launch(dcp.fsdp_run, 0, 2, nprocs=2, backend="gloo")
     assert max((a - b).abs().max().item()
                for a, b in zip(short["weights"], straight["weights"], strict=True)) > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_a_checkpoint_written_in_the_background_holds_the_state_at_the_save(tmp_path):
+    # training goes on for 2 steps while the background thread writes; the checkpoint
+    # must still hold the state after step 2, as the blocking save's does
+    blocking, background = str(tmp_path / "blocking"), str(tmp_path / "background")
+    straight = launch(dcp.fsdp_run, 0, 4, None, blocking, 2, nprocs=2, backend="gloo")
+    async_run = launch(dcp.fsdp_run, 0, 4, None, background, 2, True, nprocs=2,
+                       backend="gloo")
+    assert all(torch.equal(a, b) for a, b in zip(async_run["weights"], straight["weights"],
+                                                 strict=True))
+    loaded = [launch(dcp.fsdp_run, 2, 2, path, nprocs=2, backend="gloo")["loaded"]
+              for path in (blocking, background)]
+    assert all(torch.equal(a, b) for a, b in zip(*loaded, strict=True))
+    # and what it holds is step 2's state, not the end of training's
+    assert not all(torch.equal(a, b) for a, b in zip(loaded[1], async_run["weights"],
+                                                     strict=True))

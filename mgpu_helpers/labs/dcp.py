@@ -35,12 +35,17 @@ def _full(tensor) -> torch.Tensor:
 
 
 def fsdp_run(first_step: int, last_step: int, load_from: str | None = None,
-             save_to: str | None = None, save_after: int | None = None) -> dict:
+             save_to: str | None = None, save_after: int | None = None,
+             in_background: bool = False) -> dict:
     """Inside a rank: optionally load a distributed checkpoint, then train steps
     ``first_step`` to ``last_step - 1`` (this rank's share of each global batch),
     saving a checkpoint to ``save_to`` after step ``save_after - 1``. Returns the full
     weights and Adam moments at the end (gathered), the full weights right after the
-    load, and the shape of the first weight as this rank stores it."""
+    load, and the shape of the first weight as this rank stores it.
+
+    With ``in_background`` the checkpoint is written by ``dcp.async_save``: the state is
+    copied first, then written by a background thread while training goes on; the
+    write is waited for at the end."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -52,7 +57,8 @@ def fsdp_run(first_step: int, last_step: int, load_from: str | None = None,
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    loaded = None
+    loaded, pending = None, None
+    save_group = dist.new_group(backend="gloo") if in_background else None
     if load_from is not None:
         model_state, optimizer_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optimizer_state}
@@ -67,8 +73,16 @@ def fsdp_run(first_step: int, last_step: int, load_from: str | None = None,
         optimizer.step()
         if step + 1 == save_after:  # every rank writes its own shards, in parallel
             model_state, optimizer_state = get_state_dict(model, optimizer)
-            dcp.save({"model": model_state, "optimizer": optimizer_state},
-                     checkpoint_id=save_to)
+            state = {"model": model_state, "optimizer": optimizer_state}
+            if in_background:  # returns once the state is copied; the writing goes on
+                # its collectives run in a background thread: a group of their own,
+                # or they interleave with training's on the default group and hang
+                pending = dcp.async_save(state, checkpoint_id=save_to,
+                                         process_group=save_group)
+            else:
+                dcp.save(state, checkpoint_id=save_to)
+    if pending is not None:
+        pending.result()  # the files are complete only now
     moments = [_full(optimizer.state[p][key]) for p in model.parameters()
                for key in ("exp_avg", "exp_avg_sq")]
     dist.barrier()

@@ -1,0 +1,239 @@
+"""Chapter 07's memory anatomy: what each data-parallel strategy keeps on a rank.
+
+:func:`rank_memory` trains a stack of equal feed-forward blocks for a few Adam steps
+under one strategy and measures, on this rank, the bytes of its parameters, gradients,
+Adam state and (DDP) bucket buffers after a step; the **peak** during a step, in each
+of its phases: the most bytes the allocator held on top of those, read from
+``torch.profiler``'s memory events; and the collectives of that step with their
+volume, read from the flight recorder. :func:`formula`
+gives what the ZeRO paper predicts for the same model. The strategies:
+
+* ``"DDP"``: every rank holds everything, plus the bucket buffers DDP all-reduces;
+* ``"DDP, bucket views"``: ``gradient_as_bucket_view=True``, the gradients live in the
+  buckets;
+* ``"ZeRO-1"``: DDP with ``ZeroRedundancyOptimizer``: Adam's state split between ranks;
+* ``"FSDP2, keep after forward"``: ``fully_shard(reshard_after_forward=False)``, ZeRO-2's
+  traffic: a layer's gathered weights stay from its forward to its backward;
+* ``"FSDP2"``: ``fully_shard`` (ZeRO-3): gathered for the forward, freed, gathered again
+  for the backward.
+
+Activation checkpointing (each layer recomputed in backward) can be switched on for any.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..ranks import rank, world_size
+
+STRATEGIES = ("DDP", "DDP, bucket views", "ZeRO-1", "FSDP2, keep after forward", "FSDP2")
+FLOAT_BYTES = 4
+ADAM_MOMENTS = 2
+
+
+def feed_forward_blocks(width: int = 512, blocks: int = 4, seed: int = 0) -> nn.Sequential:
+    """``blocks`` equal feed-forward blocks, ``Linear(d, 4d) -> ReLU -> Linear(4d, d)``
+    as in a transformer: equal units, so that every strategy splits them evenly, and
+    each block's inner activation is 4 times its input, which is what activation
+    checkpointing saves."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, 4 * width), nn.ReLU(),
+                                         nn.Linear(4 * width, width))
+                           for _ in range(blocks)])
+
+
+def formula(strategy: str, parameters: int, ranks: int) -> dict:
+    """Bytes per rank after a step, as the ZeRO paper counts them for float32 Adam:
+    4 bytes per parameter for the weights, 4 for the gradients, 8 for the two moments,
+    each divided by the number of ranks where the strategy shards it."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    full = parameters * FLOAT_BYTES
+    sharded = strategy.startswith("FSDP2")
+    return {"parameters": full // ranks if sharded else full,
+            "gradients": full // ranks if sharded else full,
+            "optimizer state": ADAM_MOMENTS * full // (ranks if strategy != "DDP"
+                                                       and strategy != "DDP, bucket views"
+                                                       else 1),
+            "bucket buffers": full if strategy in ("DDP", "ZeRO-1") else 0}
+
+
+def _local_bytes(tensors) -> int:
+    # a sharded DTensor counts only this rank's piece
+    return sum((t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size()
+               for t in tensors if t is not None)
+
+
+def _bucket_bytes(ddp_model) -> int:
+    sizes = ddp_model._get_ddp_logging_data().get("bucket_sizes", "")
+    return sum(int(size) for size in re.findall(r"\d+", str(sizes)))
+
+
+class _Checkpointed(nn.Module):
+    """Runs ``layer`` under activation checkpointing: its input is kept, the rest is
+    recomputed in backward."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.layer, x, use_reentrant=False)
+
+
+def _wrap(strategy: str, model: nn.Sequential, checkpointing: bool):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if checkpointing:
+        for index, block in enumerate(model):
+            model[index] = _Checkpointed(block)
+    if strategy.startswith("FSDP2"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size(),))
+        keep = strategy == "FSDP2, keep after forward"
+        for block in model:
+            fully_shard(block, mesh=mesh, reshard_after_forward=not keep)
+        wrapped = fully_shard(model, mesh=mesh, reshard_after_forward=not keep)
+    else:
+        wrapped = DDP(model, gradient_as_bucket_view=strategy == "DDP, bucket views")
+    if strategy == "ZeRO-1":
+        optimizer = ZeroRedundancyOptimizer(wrapped.parameters(),
+                                            optimizer_class=torch.optim.Adam, lr=1e-3)
+    else:
+        optimizer = torch.optim.Adam(wrapped.parameters(), lr=1e-3)
+    return wrapped, optimizer
+
+
+@contextlib.contextmanager
+def _native_logs_silenced():
+    """The profiler's C++ side logs its start and stop to stderr with a timestamp;
+    this sends file descriptor 2 to /dev/null meanwhile (Python's own errors still
+    surface as exceptions)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+PHASES = ("forward", "backward", "optimizer step")
+
+
+def _extra_at_peak(profile) -> dict:
+    """The most bytes the CPU allocator held during each phase of the profiled step
+    beyond what it held when the step began: every allocation and free is an event
+    that carries the running total since the profiler started, and each phase is a
+    ``record_function`` range."""
+    from torch._C._profiler import _EventType
+
+    allocations, phases = [], {}
+
+    def walk(events):
+        for event in events:
+            if event.tag == _EventType.Allocation:
+                allocations.append((event.start_time_ns, event.extra_fields.total_allocated))
+            elif event.name in PHASES:
+                phases[event.name] = (event.start_time_ns, event.end_time_ns)
+            walk(event.children)
+
+    walk(profile.profiler.kineto_results.experimental_event_tree())
+    return {phase: max((total for time, total in allocations if start <= time <= end),
+                       default=0)
+            for phase, (start, end) in phases.items()}
+
+
+def _flight_records() -> list[dict]:
+    """This rank's flight recorder: the collectives its process groups ran, newest last
+    (on by default, gloo included; chapter 09)."""
+    import pickle
+
+    dump = torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=False)
+    return pickle.loads(dump)["entries"]
+
+
+# How much each collective moves, in elements of its tensors, counted as the ZeRO paper
+# and the Ultra-Scale Playbook count it: an all-reduce is a reduce-scatter plus an
+# all-gather, twice the tensor; the others once.
+_VOLUME = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1}
+
+
+def collectives_volume(entries: list[dict]) -> dict:
+    """Per kind of collective: how many ran and their volume in elements (an
+    all-gather's is its output, the others' their input)."""
+    volume: dict[str, dict] = {}
+    for entry in entries:
+        kind = entry["profiling_name"].split(":")[-1]
+        sizes = entry["output_sizes"] if kind == "all_gather" else entry["input_sizes"]
+        elements = sum(int(torch.Size(size).numel()) for size in sizes)
+        row = volume.setdefault(kind, {"calls": 0, "elements": 0})
+        row["calls"] += 1
+        row["elements"] += _VOLUME.get(kind, 1) * elements
+    return volume
+
+
+def rank_memory(strategy: str, checkpointing: bool = False, steps: int = 3,
+                width: int = 512, blocks: int = 4, batch: int = 256) -> dict:
+    """Inside a rank: train :func:`feed_forward_blocks` for ``steps`` Adam steps under
+    ``strategy`` (its own random batch per rank), profiling the last step's memory.
+    Returns the parameter count, this rank's bytes after the last step, the most bytes
+    allocated on top of them in each phase of it, the collectives it ran (from the
+    flight recorder) and the full weights (to compare strategies)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    model = feed_forward_blocks(width, blocks)
+    parameters = sum(p.numel() for p in model.parameters())
+    wrapped, optimizer = _wrap(strategy, model, checkpointing)
+    generator = torch.Generator().manual_seed(100 + rank())
+    batches = [torch.randn(batch, width, generator=generator) for _ in range(steps)]
+
+    def step(x):
+        optimizer.zero_grad(set_to_none=False)  # gradients stay allocated between steps
+        with record_function("forward"):
+            loss = F.mse_loss(wrapped(x), x.flip(1))
+        with record_function("backward"):
+            loss.backward()
+        with record_function("optimizer step"):
+            optimizer.step()
+
+    for x in batches[:-1]:
+        step(x)
+    recorded = len(_flight_records())
+    with _native_logs_silenced():
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recording:
+            step(batches[-1])
+    extra = _extra_at_peak(recording)
+    communication = collectives_volume(_flight_records()[recorded:])
+    params = list(wrapped.parameters())
+    stored = {"parameters": _local_bytes(params),
+              "gradients": _local_bytes([p.grad for p in params]),
+              "optimizer state": _local_bytes(
+                  [t for state in getattr(optimizer, "optim", optimizer).state.values()
+                   for t in state.values() if t.dim() > 0]),
+              "bucket buffers": (0 if strategy.startswith("FSDP2")
+                                 or strategy == "DDP, bucket views"
+                                 else _bucket_bytes(wrapped))}
+    weights = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in params]
+    dist.barrier()
+    return {"parameter count": parameters, "stored": stored, "extra at peak": extra,
+            "collectives": communication,
+            "weights": weights, "block bytes": parameters * FLOAT_BYTES // blocks,
+            "hidden activation bytes": batch * 4 * width * FLOAT_BYTES}
