@@ -4,6 +4,7 @@ The notebooks in ``notebooks/`` teach the concepts; this package holds only the
 boilerplate around them (environment report, process launching, plotting).
 """
 
+from . import exercises
 from .env import describe
 from .launcher import LaunchError, launch
 from .notebook_settings import check_notebook_settings
@@ -11,7 +12,8 @@ from .ranks import device, is_main, local_rank, print0, rank, restart_count, wor
 from .visible_devices import parse_cuda_visible_devices
 
 __all__ = [
-    "LaunchError", "check_notebook_settings", "describe", "device", "is_main", "launch",
+    "LaunchError", "check_notebook_settings", "describe", "device", "exercises", "is_main",
+    "launch",
     "local_rank", "parse_cuda_visible_devices", "print0", "rank", "restart_count",
     "world_size",
 ]

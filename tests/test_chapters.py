@@ -165,6 +165,17 @@ def test_landing_page_maps_chapters_and_shows_the_report(tmp_path):
     assert not list(tmp_path.glob(".*.tmp")), "the page is written atomically"
 
 
+def test_landing_page_counts_the_exercises_passed_per_chapter(tmp_path):
+    write_chapter(tmp_path / "00_a.ipynb", "# 00 · Alpha", [], summary="learn a")
+    write_chapter(tmp_path / "01_b.ipynb", "# 01 · Beta", [], summary="learn b")
+    out = chapters.write_landing(tmp_path, tmp_path / chapters.LANDING_NAME, report_text="r",
+                                 progress={"01": (1, 3), "07": (0, 2)})
+    text = out.read_text()
+    assert "| 01 | [Beta](01_b.ipynb#Exercises) | 1 of 3 |" in text
+    assert "| 00 |" not in text.split("## Exercises")[1]  # no exercises, no row
+    assert "07" not in text.split("## Exercises")[1]      # no such chapter here
+
+
 @pytest.mark.slow
 def test_execute_stores_outputs_and_run_time_and_keeps_a_failing_notebook(tmp_path):
     good = write_chapter(tmp_path / "00_ok.ipynb", "# 00 · Ok", [new_code_cell("print(6 * 7)")])

@@ -304,7 +304,20 @@ def chapter_map(chapters: list[Chapter]) -> str:
     return "\n".join(rows)
 
 
-def landing_notebook(chapters: list[Chapter], report_text: str, measured_on: str) -> dict:
+def exercise_table(chapters: list[Chapter], progress: dict[str, tuple[int, int]]) -> str:
+    """Per chapter with exercises, how many the reader has passed on this machine, with a
+    link to them (``progress``: chapter number -> (passed, exercises))."""
+    rows = ["| # | chapter | exercises passed here |", "|---|---|---|"]
+    for chapter in chapters:
+        if chapter.number in progress:
+            passed, total = progress[chapter.number]
+            rows.append(f"| {chapter.number} | [{chapter.title}]({chapter.name}#Exercises) | "
+                        f"{passed} of {total} |")
+    return "\n".join(rows)
+
+
+def landing_notebook(chapters: list[Chapter], report_text: str, measured_on: str,
+                     progress: dict[str, tuple[int, int]] | None = None) -> dict:
     """The landing page: how to read the workbook, the chapter map, the environment report.
 
     The report is stored as the output of a code cell that recomputes it, so the page
@@ -339,6 +352,11 @@ def landing_notebook(chapters: list[Chapter], report_text: str, measured_on: str
         "cells": [
             markdown("intro", intro),
             markdown("chapters", "## Chapters\n\n" + chapter_map(chapters)),
+            markdown("exercises", "## Exercises\n\nEach chapter ends with exercises that "
+                     "the chapter checks on this machine (on real ranks where they are "
+                     "distributed). Your progress, as `make lab` found it "
+                     "(`runs/exercise_progress.json`):\n\n"
+                     + exercise_table(chapters, progress or {})),
             markdown("machine", "## This machine\n\nThe environment report, as `make lab` found it "
                      "(the same as `python -m mgpu_helpers`). Re-run the cell after "
                      "changing `CUDA_VISIBLE_DEVICES` or the drivers."),
@@ -350,15 +368,20 @@ def landing_notebook(chapters: list[Chapter], report_text: str, measured_on: str
     }
 
 
-def write_landing(notebooks_dir: Path, out_path: Path, report_text: str | None = None) -> Path:
-    """Write the landing notebook; the report defaults to this machine's ``describe()``."""
+def write_landing(notebooks_dir: Path, out_path: Path, report_text: str | None = None,
+                  progress: dict[str, tuple[int, int]] | None = None) -> Path:
+    """Write the landing notebook; the report defaults to this machine's ``describe()``,
+    the exercise progress to the reader's (``mgpu_helpers.exercises``)."""
+    if progress is None:
+        from mgpu_helpers.exercises import chapter_progress
+        progress = chapter_progress()
     if report_text is None:
         from mgpu_helpers.env import describe
         report_text = str(describe())
     chapters = read_chapters(notebooks_dir)
     machines = sorted({c.run_time_machine for c in chapters if c.run_time_machine})
     measured_on = " and ".join(machines) if machines else "this machine, once you run it"
-    notebook = landing_notebook(chapters, report_text, measured_on)
+    notebook = landing_notebook(chapters, report_text, measured_on, progress)
     out_path = Path(out_path)
     temporary = out_path.with_name(f".{out_path.name}.tmp")
     temporary.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")

@@ -1,0 +1,162 @@
+"""The exercises' checker (mgpu_helpers.exercises) and every exercise's cases: the
+reference solution passes them all, the chapter's stub is "not attempted yet", and each
+plausible mistake fails, with a message that says what went wrong."""
+
+import dataclasses
+import importlib
+import json
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+import mgpu_helpers as mh
+from mgpu_helpers import exercises
+from mgpu_helpers.exercises import core, progress
+
+ROOT = Path(__file__).resolve().parents[1]
+EXERCISES = exercises.registry()
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+
+@pytest.fixture(autouse=True)
+def private_progress(tmp_path, monkeypatch):
+    monkeypatch.setenv("MGPU_EXERCISE_PROGRESS", str(tmp_path / "progress.json"))
+    return tmp_path / "progress.json"
+
+
+def solutions(chapter):
+    return importlib.import_module(f"solutions.ch{chapter}")
+
+
+def stub(*args):
+    """What the chapters ship."""
+    raise NotImplementedError("write this function")
+
+
+def quick(exercise):
+    # a mistake that hangs waits for the whole timeout: keep it short in the tests
+    return dataclasses.replace(exercise, timeout=min(exercise.timeout, 6.0))
+
+
+def test_every_exercise_has_a_key_a_reference_and_a_mistake():
+    assert EXERCISES, "no exercises registered"
+    for key, exercise in EXERCISES.items():
+        assert re.fullmatch(r"\d\d\.\d", key), key
+        module = solutions(exercise.chapter)
+        assert key in module.REFERENCE, f"{key} has no reference solution"
+        assert module.MISTAKES.get(key), f"{key} has no plausible mistake to fail"
+    per_chapter = exercises.chapter_progress()
+    assert all(2 <= total <= 4 for _, total in per_chapter.values()), per_chapter
+
+
+@pytest.mark.parametrize("key", list(EXERCISES))
+def test_the_reference_solution_passes_every_case(key):
+    report = exercises.run(key, solutions(EXERCISES[key].chapter).REFERENCE[key])
+    assert report.passed, "\n".join(report.lines())
+    assert report.lines()[-1] == f"all {len(EXERCISES[key].cases)} cases passed"
+
+
+@pytest.mark.parametrize("key", list(EXERCISES))
+def test_the_stub_is_not_attempted_yet_and_runs_nothing(key):
+    report = exercises.run(key, stub)
+    assert not report.attempted and report.outcomes == []
+    (line,) = report.lines()
+    assert line.endswith("not attempted yet (replace the NotImplementedError in "
+                         f"`{EXERCISES[key].function}`, then run this cell again)")
+
+
+MISTAKES = [(key, index) for key, exercise in EXERCISES.items()
+            for index in range(len(solutions(exercise.chapter).MISTAKES.get(key, [])))]
+
+
+@pytest.mark.parametrize(("key", "index"), MISTAKES)
+def test_each_plausible_mistake_fails_and_says_why(key, index):
+    exercise = EXERCISES[key]
+    wrong, status, phrase = solutions(exercise.chapter).MISTAKES[key][index]
+    report = core.evaluate(quick(exercise), wrong)
+    assert not report.passed
+    assert status in {o.status for o in report.outcomes}, "\n".join(report.lines())
+    text = "\n".join(report.lines())
+    assert phrase in text and "Hint: " in text
+
+
+def test_a_hang_stops_every_rank_and_skips_the_remaining_cases():
+    wrong = solutions("03").ring_all_reduce_everyone_sends_first
+    report = core.evaluate(quick(EXERCISES["03.1"]), wrong)
+    assert [o.status for o in report.outcomes] == ["hang"] + ["skip"] * (
+        len(report.outcomes) - 1)
+    # the fixture no_leftover_processes checks that no rank is left running
+
+
+def test_an_error_in_a_rank_shows_the_readers_frames_only():
+    wrong = solutions("03").ring_all_reduce_that_raises
+    text = "\n".join(core.evaluate(EXERCISES["03.1"], wrong).lines())
+    assert "IndexError: list index out of range" in text
+    assert "solutions/ch03.py" in text and "chunks[world] += 1" in text
+    assert "mgpu_helpers" not in text  # no launcher or harness frames
+
+
+def test_is_stub_tells_the_shipped_stub_from_an_attempt():
+    def documented(x):
+        """Docstring."""
+        raise NotImplementedError
+
+    def attempt(x):
+        if x:
+            raise NotImplementedError
+        return x
+
+    def other_error(x):
+        raise ValueError("no")
+
+    assert core.is_stub(stub) and core.is_stub(documented)
+    assert not core.is_stub(attempt) and not core.is_stub(other_error)
+    assert not core.is_stub(len)  # no source: attempted, and checked
+
+
+def test_a_check_prints_and_records_progress(capsys, private_progress):
+    exercises.check("03.2", solutions("03").reduce_scatter)
+    printed = capsys.readouterr().out
+    assert printed.startswith("Exercise 03.2 · ") and "all 3 cases passed" in printed
+    assert json.loads(private_progress.read_text()) == {"03.2": True}
+    exercises.check("03.2", stub)  # not attempted: nothing recorded, nothing lost
+    assert json.loads(private_progress.read_text()) == {"03.2": True}
+    assert exercises.chapter_progress()["03"] == (1, len([k for k in EXERCISES if k[:2] == "03"]))
+
+
+def test_progress_survives_a_corrupt_file_and_an_unknown_key_is_named(private_progress):
+    private_progress.write_text("{not json")
+    assert progress.passed() == {}
+    progress.record("03.1", False)
+    assert progress.passed() == {"03.1": False}
+    with pytest.raises(KeyError, match="no exercise '99.9'; the exercises are 0"):
+        exercises.check("99.9", stub)
+    with pytest.raises(TypeError, match="checks a function"):
+        exercises.run("03.1", 42)
+
+
+def test_progress_lives_in_the_clones_git_ignored_runs_folder(monkeypatch):
+    monkeypatch.delenv("MGPU_EXERCISE_PROGRESS")
+    assert progress.progress_file() == ROOT / "runs" / "exercise_progress.json"
+    assert "runs/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_mh_exposes_the_checker():
+    assert mh.exercises.check is exercises.check
+
+
+@pytest.mark.parametrize("key", list(EXERCISES))
+def test_each_chapter_ships_the_stub_and_a_check_cell_whose_output_is_not_attempted(key):
+    exercise = EXERCISES[key]
+    (path,) = (ROOT / "notebooks").glob(f"{exercise.chapter}_*.ipynb")
+    cells = nbformat.read(path, as_version=4).cells
+    stubs = [c for c in cells if c.cell_type == "code"
+             and f"def {exercise.function}(" in c.source and "NotImplementedError" in c.source]
+    assert stubs, f"{path.name} has no stub `{exercise.function}`"
+    checks = [c for c in cells if c.cell_type == "code"
+              and f'mh.exercises.check("{key}", {exercise.function})' in c.source]
+    assert len(checks) == 1, f"{path.name} needs one check cell for {key}"
+    output = "".join(o.get("text", "") for o in checks[0].outputs)
+    assert output == "\n".join(exercises.run(key, stub, record=False).lines()) + "\n"
