@@ -72,7 +72,7 @@ check: lint
 	$(BIN)/pytest tests --ignore=tests/browser -m "not slow" -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check mgpu_helpers tests notebooks benchmarks scripts tools
+	$(BIN)/ruff check mgpu_helpers tests notebooks benchmarks scripts tools solutions
 
 unit: $(STAMP)
 	$(BIN)/pytest tests --ignore=tests/browser $(UNIT_ARGS)

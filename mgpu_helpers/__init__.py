@@ -4,7 +4,6 @@ The notebooks in ``notebooks/`` teach the concepts; this package holds only the
 boilerplate around them (environment report, process launching, plotting).
 """
 
-from . import exercises
 from .env import describe
 from .launcher import LaunchError, launch
 from .notebook_settings import check_notebook_settings
@@ -13,8 +12,17 @@ from .visible_devices import parse_cuda_visible_devices
 
 __all__ = [
     "LaunchError", "check_notebook_settings", "describe", "device", "exercises", "is_main",
-    "launch",
-    "local_rank", "parse_cuda_visible_devices", "print0", "rank", "restart_count",
+    "launch", "local_rank", "parse_cuda_visible_devices", "print0", "rank", "restart_count",
     "world_size",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # ``mh.exercises``, the chapters' checked exercises, loads on first use: it is chapter
+    # material (it may import the labs), not part of the core a reader's code imports.
+    if name == "exercises":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.exercises")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -38,9 +38,12 @@ def imported_modules(source: str, module: str, is_package: bool = False) -> set[
     return found
 
 
+CHAPTER_LAYERS = ("labs", "exercises")  # chapter material: may import the labs
+
+
 def core_modules() -> list[Path]:
     return sorted(path for path in PACKAGE.rglob("*.py")
-                  if "labs" not in path.relative_to(PACKAGE).parts)
+                  if not set(CHAPTER_LAYERS) & set(path.relative_to(PACKAGE).parts))
 
 
 def forbidden_for_core(name: str) -> bool:
@@ -67,11 +70,19 @@ def test_core_modules_import_neither_labs_nor_tools(path):
                      "mgpu_helpers/labs/ (a chapter's experiment) or tools/ (authoring)")
 
 
-def test_labs_do_not_import_tools():
-    for path in (PACKAGE / "labs").glob("*.py"):
+def test_labs_and_exercises_do_not_import_tools():
+    for path in [*(PACKAGE / "labs").glob("*.py"), *(PACKAGE / "exercises").glob("*.py")]:
         found = imported_modules(path.read_text(), module_name(path),
                                  path.name == "__init__.py")
         assert not [name for name in found if name.split(".")[0] in TOOLS], path
+
+
+def test_the_core_does_not_import_the_exercises_either():
+    # mgpu_helpers.exercises is reached lazily (mh.exercises), never imported by the core
+    for path in core_modules():
+        found = imported_modules(path.read_text(), module_name(path),
+                                 path.name == "__init__.py")
+        assert not [name for name in found if name.startswith("mgpu_helpers.exercises")], path
 
 
 def test_tools_are_not_in_the_package():
