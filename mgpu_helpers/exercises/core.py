@@ -103,7 +103,10 @@ def is_stub(fn: Callable) -> bool:
         source = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError):
         return False
-    tree = ast.parse(source)
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:  # a lambda inside a longer expression, for instance
+        return False
     function = next((node for node in ast.walk(tree)
                      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
     if function is None:

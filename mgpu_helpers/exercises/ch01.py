@@ -1,0 +1,164 @@
+"""Chapter 01's exercises: normalisation constants computed from a dataset, and an
+augmentation whose randomness depends on the sample alone. Both run in this process:
+the statistics are checked against a direct computation over every pixel, the
+augmentation by asking for each sample twice, in other orders and from other random
+states."""
+
+from __future__ import annotations
+
+import torch
+from torchvision.transforms import v2
+
+from .core import Case, Exercise
+
+# ---------------------------------------------------------------- 01.1 channel stats
+
+
+class _Images(torch.utils.data.Dataset):
+    """(image, label) samples: float images (C x H x W) in [0, 1], each with its own
+    brightness, as photos have."""
+
+    def __init__(self, sizes: tuple, channels: int):
+        generator = torch.Generator().manual_seed(len(sizes) * 10 + channels)
+        base = torch.linspace(0.3, 0.6, channels).reshape(channels, 1, 1)
+        self.samples = []
+        for index, (height, width) in enumerate(sizes):
+            brightness = 0.5 * torch.rand((), generator=generator) - 0.25
+            noise = 0.15 * torch.randn(channels, height, width, generator=generator)
+            self.samples.append(((base + brightness + noise).clamp(0, 1), index % 10))
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        return self.samples[index]
+
+
+def _as_vector(values, channels: int) -> torch.Tensor | str:
+    try:
+        vector = torch.as_tensor(values, dtype=torch.float64).flatten()
+    except (TypeError, ValueError, RuntimeError):
+        return f"expected {channels} numbers, got {type(values).__name__}"
+    if vector.numel() != channels:
+        return f"expected {channels} number(s), one per channel, got {vector.numel()}"
+    return vector
+
+
+def _stats_trial(fn, sizes: tuple, channels: int):
+    dataset = _Images(sizes, channels)
+    result = fn(dataset)
+    # every pixel of every image, per channel: images of any size weigh by their pixels
+    pixels = torch.cat([image.reshape(channels, -1) for image, _ in dataset.samples], dim=1)
+    expected = pixels.double().mean(dim=1), pixels.double().std(dim=1)
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        return f"expected a pair (mean, std), got {type(result).__name__}", expected
+    return tuple(_as_vector(values, channels) for values in result), expected
+
+
+def _judge_stats(got, expected) -> str | None:
+    if isinstance(got, str):
+        return got
+    for name, have in zip(("mean", "std"), got, strict=True):
+        if isinstance(have, str):
+            return f"{name}: {have}"
+    (mean, std), (want_mean, want_std) = got, expected
+    for channel in range(len(want_mean)):
+        # 1e-3 relative: torch.std's n - 1 and the population's n agree to that here
+        if (abs(mean[channel] - want_mean[channel]) > 1e-3 * want_mean[channel]
+                or abs(std[channel] - want_std[channel]) > 1e-3 * want_std[channel]):
+            return (f"channel {channel}: expected mean {want_mean[channel]:.4f} and std "
+                    f"{want_std[channel]:.4f}, got mean {mean[channel]:.4f} and std "
+                    f"{std[channel]:.4f}")
+    return None
+
+
+# ---------------------------------------------------------------- 01.2 keyed augmentation
+
+def _augmentation() -> v2.Transform:
+    # chapter 01's label-preserving augmentation for digits
+    return v2.Compose([v2.RandomAffine(degrees=10, translate=(0.1, 0.1), scale=(0.9, 1.1)),
+                       v2.ColorJitter(brightness=0.3, contrast=0.3)])
+
+
+def _key(key: tuple) -> str:
+    return "(seed {}, epoch {}, index {})".format(*key)
+
+
+def _keyed_trial(fn, seeds: tuple, epochs: tuple, indices: tuple):
+    keys = [(s, e, i) for s in seeds for e in epochs for i in indices]
+    image = torch.rand(3, 32, 32, generator=torch.Generator().manual_seed(1))
+    transform = _augmentation()
+    with torch.random.fork_rng(devices=[]):  # the notebook's own random state is kept
+        torch.manual_seed(1000)
+        before = torch.get_rng_state()
+        first = {key: fn(transform, image.clone(), *key) for key in keys}
+        state_kept = torch.equal(torch.get_rng_state(), before)
+        torch.manual_seed(2000)  # another global state, another order
+        order = torch.randperm(len(keys), generator=torch.Generator().manual_seed(2)).tolist()
+        second = {keys[k]: fn(transform, image.clone(), *keys[k]) for k in order}
+    got = {"shape": None, "unrepeatable": None, "collision": None, "state_kept": state_kept}
+    for key in keys:
+        for output in (first[key], second[key]):
+            if not isinstance(output, torch.Tensor):
+                got["shape"] = ("expected the augmented image, a tensor, got "
+                                f"{type(output).__name__}")
+                return got, keys
+            if output.shape != image.shape:
+                got["shape"] = (f"expected the augmented image, of shape {tuple(image.shape)},"
+                                f" got shape {tuple(output.shape)}")
+                return got, keys
+    got["unrepeatable"] = next((key for key in keys if not torch.equal(first[key], second[key])),
+                               None)
+    seen: dict[bytes, tuple] = {}
+    for key in keys:
+        fingerprint = first[key].contiguous().numpy().tobytes()
+        if fingerprint in seen:
+            got["collision"] = (seen[fingerprint], key)
+            break
+        seen[fingerprint] = key
+    return got, keys
+
+
+def _judge_keyed(got: dict, keys: list) -> str | None:
+    if got["shape"]:
+        return got["shape"]
+    if got["unrepeatable"]:
+        return (f"{_key(got['unrepeatable'])} gave another image when asked again (in "
+                "another order, from another global random state): its randomness must "
+                "come from the key alone")
+    if got["collision"]:
+        first, second = got["collision"]
+        return (f"{_key(first)} and {_key(second)} got the same augmentation: different "
+                "keys must draw different random numbers")
+    if not got["state_kept"]:
+        return ("torch's global random state changed: leave it as it was (the training "
+                "loop draws its own random numbers from it)")
+    return None
+
+
+EXERCISES = [
+    Exercise(
+        key="01.1", title="normalisation constants from a dataset", function="channel_stats",
+        cases=[Case("8 RGB images of 16 x 16", (((16, 16),) * 8, 3)),
+               Case("10 RGB images of different sizes",
+                    (((8, 8), (40, 24), (16, 32), (12, 12), (32, 32), (8, 24), (20, 20),
+                      (10, 30), (24, 16), (28, 8)), 3)),
+               Case("6 one-channel images of 20 x 20", (((20, 20),) * 6, 1))],
+        trial=_stats_trial, judge=_judge_stats,
+        hint="the statistics of all pixels of a channel taken together, whatever image they "
+             "come from: images of different sizes count by their pixels, and the spread "
+             "between images' brightness belongs in the std",
+    ),
+    Exercise(
+        key="01.2", title="an augmentation that depends on the sample alone",
+        function="keyed_augment",
+        cases=[Case("seed 0, epochs 0 and 1, indices 0 to 3", ((0,), (0, 1), (0, 1, 2, 3))),
+               Case("seeds 0 and 1, epoch 0, indices 0 and 1", ((0, 1), (0,), (0, 1))),
+               Case("seed 42, epochs 0 to 2, indices 0 to 9, asked in another order",
+                    ((42,), (0, 1, 2), tuple(range(10))))],
+        trial=_keyed_trial, judge=_judge_keyed,
+        hint="every key needs a seed of its own (which keys would seed + epoch + index "
+             "confuse?), and torch is seeded only inside a block that restores its global "
+             "state afterwards",
+    ),
+]

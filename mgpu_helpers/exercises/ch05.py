@@ -1,0 +1,220 @@
+"""Chapter 05's exercises: a gradient-compression hook, accumulation with ``no_sync``, and
+batch-norm statistics over all ranks, each checked on gloo ranks against PyTorch's own."""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .core import Case, Exercise
+
+
+def _collectives_so_far() -> list[dict]:
+    # the flight recorder lists what this rank's process group ran (chapter 09)
+    dump = torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=False)
+    return pickle.loads(dump)["entries"]
+
+
+def _largest(tensor: torch.Tensor) -> float:
+    return tensor.abs().max().item()
+
+
+# ---------------------------------------------------------------- 05.1 float16 hook
+
+def _hook_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                         nn.Linear(64, 4))
+
+
+def _hook_gradients(hook, inputs: torch.Tensor, loss_scale: float,
+                    sent: list | None = None) -> list[torch.Tensor]:
+    """Two backward passes of a DDP model with ``hook`` (None: DDP's default), several
+    buckets (a 10 kB cap); the gradients after each. ``sent`` receives the dtypes of the
+    collectives run during the backward passes (where DDP calls the hook)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _hook_model()
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    if hook is not None:
+        ddp.register_comm_hook(None, hook)
+    seen = []
+    for step in range(2):
+        ddp.zero_grad()
+        loss = ddp(inputs[step]).square().mean() * loss_scale
+        before = len(_collectives_so_far())
+        loss.backward()
+        if sent is not None:
+            sent += [dtype for entry in _collectives_so_far()[before:]
+                     for dtype in entry["input_dtypes"]]
+        seen.append(torch.cat([p.grad.flatten() for p in model.parameters()]).clone())
+    return seen
+
+
+def _hook_trial(fn, same_inputs: bool, near_limit: bool):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    seed = 100 if same_inputs else 100 + dist.get_rank()
+    inputs = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(seed))
+    loss_scale = 1.0
+    if near_limit:  # a loss scale, as a GradScaler applies: gradients near 50,000
+        plain = _hook_gradients(None, inputs, 1.0)
+        loss_scale = 50_000 / max(_largest(g) for g in plain)
+    default = _hook_gradients(None, inputs, loss_scale)
+    torch_hook = _hook_gradients(default_hooks.fp16_compress_hook, inputs, loss_scale)
+    sent: list[str] = []
+    mine = _hook_gradients(fn, inputs, loss_scale, sent)
+    return ({"gradients": mine, "dtypes": sorted(set(sent))},
+            {"default": default, "torch": torch_hook})
+
+
+def _hook_judge(got, expected) -> str | None:
+    if got["dtypes"] != ["Half"]:
+        sent = ", ".join(got["dtypes"]) or "nothing"
+        return (f"the hook's collectives sent {sent} tensors, expected only Half (float16): "
+                "compress the bucket before the all-reduce")
+    for step, (mine, default, torch_hook) in enumerate(zip(
+            got["gradients"], expected["default"], expected["torch"], strict=True)):
+        if not torch.isfinite(mine).all():
+            wrong = int((~torch.isfinite(mine)).sum())
+            return (f"backward {step + 1}: {wrong} of {mine.numel()} gradients came back inf "
+                    f"or nan (DDP's own: largest {_largest(default):,.5g}); float16's largest "
+                    "value is 65,504")
+        scale = _largest(default)
+        tolerance = 2e-3 * scale  # float16 keeps 11 significant bits
+        for name, reference in (("DDP's default all-reduce", default),
+                                ("torch's fp16_compress_hook", torch_hook)):
+            difference = _largest(mine - reference)
+            if difference > tolerance:
+                ratio = (mine @ reference / (reference @ reference)).item()
+                if abs(ratio - 1) > 0.01:
+                    return (f"backward {step + 1}: the gradients are about {ratio:.3g} times "
+                            f"those of {name}")
+                return (f"backward {step + 1}: the gradients differ from those of {name} by up to "
+                        f"{difference / scale:.2g} of the largest gradient, more than "
+                        "float16's rounding (0.002)")
+    return None
+
+
+# ---------------------------------------------------------------- 05.2 no_sync
+
+def _accumulation_data(world: int, accumulation: int, micro_batch: int, steps: int):
+    generator = torch.Generator().manual_seed(5)
+    inputs = torch.randn(steps, world, accumulation, micro_batch, 8, generator=generator)
+    labels = torch.randint(0, 3, (steps, world, accumulation, micro_batch), generator=generator)
+    return inputs, labels
+
+
+def _small_classifier() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _accumulation_trial(fn, accumulation: int, micro_batch: int, steps: int = 3):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inputs, labels = _accumulation_data(world, accumulation, micro_batch, steps)
+    model = DDP(_small_classifier())  # one bucket: one all-reduce per synchronised backward
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    before = len(_collectives_so_far())
+    for step in range(steps):
+        fn(model, optimizer, [(inputs[step, rank, i], labels[step, rank, i])
+                              for i in range(accumulation)])
+    all_reduces = sum(entry["profiling_name"].endswith("all_reduce")
+                      for entry in _collectives_so_far()[before:])
+    # one process, every rank's micro-batches in one batch
+    big = _small_classifier()
+    big_optimizer = torch.optim.SGD(big.parameters(), lr=0.5, momentum=0.9)
+    for step in range(steps):
+        big_optimizer.zero_grad()
+        F.cross_entropy(big(inputs[step].reshape(-1, 8)), labels[step].reshape(-1)).backward()
+        big_optimizer.step()
+    return ({"weights": [p.detach().clone() for p in model.module.parameters()],
+             "all_reduces": all_reduces},
+            {"weights": [p.detach() for p in big.parameters()], "all_reduces": steps})
+
+
+def _accumulation_judge(got, expected) -> str | None:
+    problems = []
+    if got["all_reduces"] != expected["all_reduces"]:
+        problems.append(f"DDP ran {got['all_reduces']} gradient all-reduces in "
+                        f"{expected['all_reduces']} steps, expected {expected['all_reduces']} "
+                        "(one per step)")
+    difference = max(_largest(a - b) for a, b in zip(got["weights"], expected["weights"],
+                                                     strict=True))
+    if difference > 1e-6:
+        problems.append(f"after {expected['all_reduces']} steps the weights differ from "
+                        f"{expected['all_reduces']} big-batch steps' by up to {difference:.2g} "
+                        "(expected within 1e-6)")
+    return "; ".join(problems) or None
+
+
+# ---------------------------------------------------------------- 05.3 batch statistics
+
+def _all_batches(sizes: tuple[int, ...]) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(9)
+    offsets = torch.tensor([0.0, 1.0, -2.0, 3.0]).view(1, 4, 1, 1)
+    return [torch.randn(size, 4, 3, 3, generator=generator) * (1 + rank) + offsets
+            for rank, size in enumerate(sizes)]
+
+
+def _statistics_trial(fn, sizes: tuple[int, ...]):
+    batches = _all_batches(sizes)
+    got = fn(batches[dist.get_rank()].clone())
+    var, mean = torch.var_mean(torch.cat(batches), dim=(0, 2, 3), unbiased=False)
+    return got, (mean, var)
+
+
+def _statistics_judge(got, expected) -> str | None:
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        return f"expected a pair (mean, var), got {type(got).__name__}"
+    for name, mine, reference in zip(("mean", "var"), got, expected, strict=True):
+        if not isinstance(mine, torch.Tensor) or mine.shape != reference.shape:
+            shape = tuple(mine.shape) if isinstance(mine, torch.Tensor) else type(mine).__name__
+            return f"{name}: expected a tensor of shape {tuple(reference.shape)}, got {shape}"
+        if not torch.allclose(mine, reference, rtol=1e-4, atol=1e-5):
+            show = ", ".join(f"{v:.3f}" for v in reference.tolist())
+            got_show = ", ".join(f"{v:.3f}" for v in mine.tolist())
+            return f"{name} per channel: expected [{show}], got [{got_show}]"
+    return None
+
+
+EXERCISES = [
+    Exercise(
+        key="05.1", title="a communication hook that averages in float16",
+        function="fp16_average_hook",
+        cases=[Case("2 ranks, different batches", (False, False), 2),
+               Case("3 ranks, different batches", (False, False), 3),
+               Case("2 ranks, gradients near float16's limit (a loss scale)", (True, True), 2)],
+        trial=_hook_trial, judge=_hook_judge,
+        hint="the bucket's buffer holds this rank's gradients, summed by nobody yet: the "
+             "hook must average them; and a sum of N float16 values can overflow where each "
+             "value, and the average, do not",
+    ),
+    Exercise(
+        key="05.2", title="gradient accumulation with no_sync",
+        function="accumulation_step",
+        cases=[Case(f"{world} ranks, {k} micro-batch{'es' if k > 1 else ''} of {b}",
+                    (k, b), world)
+               for world, k, b in ((2, 2, 4), (3, 3, 4), (2, 1, 8))],
+        trial=_accumulation_trial, judge=_accumulation_judge,
+        hint="inside model.no_sync() a backward only adds to .grad; the backward outside it "
+             "all-reduces what .grad holds: which micro-batch must that be? And the step must "
+             "see the mean loss over the k micro-batches",
+    ),
+    Exercise(
+        key="05.3", title="batch statistics over all ranks",
+        function="global_batch_stats",
+        cases=[Case("2 ranks, 4 images each", ((4, 4),), 2),
+               Case("3 ranks, 1, 4 and 7 images", ((1, 4, 7),), 3),
+               Case("2 ranks, 6 and 2 images", ((6, 2),), 2)],
+        trial=_statistics_trial, judge=_statistics_judge,
+        hint="the ranks' means and variances cannot simply be averaged: sum what adds up "
+             "(per-channel sums, sums of squares, counts) over the ranks, then divide",
+    ),
+]

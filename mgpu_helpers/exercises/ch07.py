@@ -1,0 +1,246 @@
+"""Chapter 07's exercises: a ZeRO-1 optimizer, the largest model each ZeRO stage fits,
+and a tensor-parallel feed-forward block written by hand."""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .core import Case, Exercise
+
+
+def _collectives_so_far() -> list[dict]:
+    # the flight recorder lists what this rank's process group ran (chapter 09)
+    dump = torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=False)
+    return pickle.loads(dump)["entries"]
+
+
+def _largest(tensor: torch.Tensor) -> float:
+    return tensor.abs().max().item()
+
+
+# ---------------------------------------------------------------- 07.1 ZeRO-1
+
+def _zero1_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _state_bytes(optimizers) -> int:
+    # Adam's moments, each tensor once (a wrapper may show its inner optimizer's state);
+    # the step counters (0-dimensional) are not counted
+    tensors = {(t.data_ptr(), t.numel()): t.numel() * t.element_size()
+               for optimizer in optimizers for state in optimizer.state.values()
+               for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0}
+    return sum(tensors.values())
+
+
+def _zero1_trial(fn, steps: int = 3, lr: float = 1e-2):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(7)
+    inputs = torch.randn(steps, world, 8, 8, generator=generator)
+    targets = torch.randn(steps, world, 8, 4, generator=generator)
+
+    def train(make_optimizer):
+        model = _zero1_model()  # the same initial weights on every rank
+        optimizer = make_optimizer(list(model.parameters()), lr)
+        for step in range(steps):
+            model.zero_grad(set_to_none=True)
+            F.mse_loss(model(inputs[step, rank]), targets[step, rank]).backward()
+            for p in model.parameters():  # what DDP does: the average over the ranks
+                dist.all_reduce(p.grad)
+                p.grad /= world
+            optimizer.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    stepped = {}  # every torch.optim optimizer that stepped in this rank
+    handle = register_optimizer_step_post_hook(
+        lambda optimizer, args, kwargs: stepped.setdefault(id(optimizer), optimizer))
+    try:
+        weights = train(fn)
+    finally:
+        handle.remove()
+    mine = _state_bytes(stepped.values())
+    everyone = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(everyone, torch.tensor([mine]))
+    expected = train(lambda params, lr: torch.optim.Adam(params, lr=lr))
+    total = 2 * sum(p.numel() * p.element_size() for p in _zero1_model().parameters())
+    return ({"weights": weights, "state": mine, "states": [int(b) for b in everyone],
+             "optimizers": len(stepped)},
+            {"weights": expected, "total": total, "world": world, "steps": steps})
+
+
+def _zero1_judge(got, expected) -> str | None:
+    differences = [_largest(a - b) for a, b in zip(got["weights"], expected["weights"],
+                                                   strict=True)]
+    wrong = sum(d > 1e-6 for d in differences)
+    if wrong:
+        return (f"after {expected['steps']} steps, {wrong} of {len(differences)} parameters "
+                f"differ from plain Adam's by up to {max(differences):.2g} (expected within "
+                "1e-6)")
+    if not got["optimizers"]:
+        return ("no torch.optim optimizer stepped on this rank: keep this rank's share of "
+                "Adam in a torch.optim.Adam")
+    total, world = expected["total"], expected["world"]
+    if got["state"] == total:
+        return (f"this rank keeps Adam's moments for every parameter ({total:,} bytes), as "
+                f"plain Adam does: no memory saved; expected about 1/{world} of them")
+    if sum(got["states"]) != total:
+        held = ", ".join(f"{b:,}" for b in got["states"])
+        return (f"the ranks keep {held} bytes of Adam's moments, {sum(got['states']):,} in "
+                f"all; expected {total:,} in all (each parameter's moments on one rank)")
+    return None
+
+
+# ---------------------------------------------------------------- 07.2 largest models
+
+STAGES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+
+
+def _largest_trial(fn, bytes_per_rank: int, ranks: int):
+    # float32 Adam: 4 bytes of weights, 4 of gradients, 8 of moments per parameter;
+    # ZeRO-1 shards the moments, ZeRO-2 the gradients too, ZeRO-3 the weights too
+    sharded = {"DDP": 0, "ZeRO-1": 8, "ZeRO-2": 12, "ZeRO-3": 16}
+    expected = {stage: bytes_per_rank * ranks // ((16 - part) * ranks + part)
+                for stage, part in sharded.items()}
+    return fn(bytes_per_rank, ranks), expected
+
+
+def _largest_judge(got, expected) -> str | None:
+    if not isinstance(got, dict) or set(got) != set(STAGES):
+        keys = sorted(got) if isinstance(got, dict) else type(got).__name__
+        return f"expected a dict with the keys {list(STAGES)}, got {keys}"
+    for stage in STAGES:
+        value, right = got[stage], expected[stage]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"{stage}: expected a number of parameters, got {type(value).__name__}"
+        if abs(value - right) > max(1.0, 1e-6 * right):
+            return f"{stage}: expected {right:,} parameters, got {value:,.0f}"
+    return None
+
+
+# ---------------------------------------------------------------- 07.3 tensor parallel
+
+WIDTH, BATCH = 6, 5
+
+
+def _block() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.ReLU(), nn.Linear(4 * WIDTH, WIDTH))
+
+
+def _collectives_between(before: int, after: int | None = None) -> list[tuple]:
+    return [(entry["profiling_name"].split(":")[-1], [list(s) for s in entry["input_sizes"]])
+            for entry in _collectives_so_far()[before:after]]
+
+
+def _tp_trial(fn, input_needs_grad: bool):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    block = _block()
+    rows = 4 * WIDTH // world
+    mine = slice(rank * rows, (rank + 1) * rows)
+    first, second = block[0], block[2]
+    shards = [first.weight[mine], first.bias[mine], second.weight[:, mine], second.bias]
+    shards = [shard.detach().clone().requires_grad_() for shard in shards]
+    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(3))
+    x_mine = x.clone().requires_grad_(input_needs_grad)
+    start = len(_collectives_so_far())
+    out = fn(x_mine, *shards)
+    middle = len(_collectives_so_far())
+    if isinstance(out, torch.Tensor) and out.requires_grad:
+        out.pow(2).mean().backward()
+    differentiable = isinstance(out, torch.Tensor) and out.requires_grad
+    got = {"out": out.detach() if isinstance(out, torch.Tensor) else out,
+           "differentiable": differentiable, "forward": _collectives_between(start, middle),
+           "backward": _collectives_between(middle),
+           "gradients": [shard.grad for shard in shards], "x": x_mine.grad}
+    x_full = x.clone().requires_grad_(input_needs_grad)
+    expected_out = block(x_full)
+    expected_out.pow(2).mean().backward()
+    message = ("all_reduce", [[BATCH, WIDTH]])
+    expected = {"out": expected_out.detach(), "forward": [message],
+                "backward": [message] if input_needs_grad else [],
+                "gradients": [first.weight.grad[mine], first.bias.grad[mine],
+                              second.weight.grad[:, mine], second.bias.grad],
+                "x": x_full.grad}
+    return got, expected
+
+
+def _close(a, b) -> bool:
+    return (isinstance(a, torch.Tensor) and a.shape == b.shape
+            and torch.allclose(a, b, rtol=1e-5, atol=1e-6))
+
+
+def _tp_judge(got, expected) -> str | None:
+    out = got["out"]
+    if not isinstance(out, torch.Tensor) or out.shape != expected["out"].shape:
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        return f"expected an output of shape {tuple(expected['out'].shape)}, got {shape}"
+    if not _close(out, expected["out"]):
+        return (f"the output differs from the unsplit block's by up to "
+                f"{_largest(out - expected['out']):.3g}")
+    if got["forward"] != expected["forward"]:
+        return (f"forward: expected one all_reduce of the [{BATCH}, {WIDTH}] output, got "
+                f"{got['forward'] or 'no collective'}")
+    if not got["differentiable"]:
+        return "the output does not require a gradient: backward cannot reach the shards"
+    names = ("w1", "b1", "w2", "b2")
+    for name, mine, right in zip(names, got["gradients"], expected["gradients"], strict=True):
+        if mine is None:
+            return f"{name} got no gradient"
+        if not _close(mine, right):
+            ratio = (mine.flatten() @ right.flatten() / (right.flatten() @ right.flatten()))
+            return (f"the gradient of {name} differs from the unsplit block's (about "
+                    f"{ratio.item():.3g} times it)")
+    if expected["x"] is not None:
+        if got["x"] is None:
+            return "x got no gradient"
+        if not _close(got["x"], expected["x"]):
+            return ("the gradient of x differs from the unsplit block's by up to "
+                    f"{_largest(got['x'] - expected['x']):.3g}")
+    if got["backward"] != expected["backward"]:
+        return (f"backward: expected {expected['backward'] or 'no collective'}, got "
+                f"{got['backward'] or 'no collective'}")
+    return None
+
+
+EXERCISES = [
+    Exercise(
+        key="07.1", title="a ZeRO-1 optimizer", function="zero1_adam",
+        cases=[Case(f"{world} ranks, 3 Adam steps", (), world) for world in (2, 3)],
+        trial=_zero1_trial, judge=_zero1_judge,
+        hint="assign each parameter to one rank; that rank alone gives it to a "
+             "torch.optim.Adam and updates it; after the step, every parameter is sent from "
+             "its owner to the others",
+    ),
+    Exercise(
+        key="07.2", title="the largest model each ZeRO stage fits", function="largest_models",
+        cases=[Case(label, (size, ranks)) for label, size, ranks in (
+            ("80 GB per rank, 8 ranks", 80 * 10**9, 8),
+            ("16 GiB per rank, 3 ranks", 16 * 2**30, 3),
+            ("24 GB per rank, 64 ranks", 24 * 10**9, 64),
+            ("1 GiB, 1 rank", 2**30, 1))],
+        trial=_largest_trial, judge=_largest_judge,
+        hint="write the bytes per parameter of each stage: 4 (weights) + 4 (gradients) + 8 "
+             "(Adam's moments), each part divided by N where the stage shards it; then the "
+             "model size is the memory divided by that (the shares need not be whole bytes)",
+    ),
+    Exercise(
+        key="07.3", title="a tensor-parallel block by hand", function="tp_feed_forward",
+        cases=[Case("2 ranks, input without a gradient", (False,), 2),
+               Case("2 ranks, input with a gradient", (True,), 2),
+               Case("3 ranks, input with a gradient", (True,), 3)],
+        trial=_tp_trial, judge=_tp_judge,
+        hint="each rank's partial output is a sum over its share of the hidden features: "
+             "one all-reduce completes it, and b2 must be added once; in backward, the "
+             "output's gradient is the same on every rank, while x's gradient is a partial "
+             "sum that needs an all-reduce of its own (torch.autograd.Function)",
+    ),
+]

@@ -1,0 +1,158 @@
+"""Chapter 09's exercises: find the bug. Each task shows a function that hangs or silently
+computes the wrong thing on several ranks; the reader writes the fixed one, which runs on
+gloo ranks under a short timeout (a hang is a failed case)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .core import Case, Exercise
+
+
+def _close(got, expected: float) -> bool:
+    return (not isinstance(got, bool) and isinstance(got, (int, float))
+            and abs(got - expected) <= 1e-6 * max(1.0, abs(expected)))
+
+
+# ---------------------------------------------------------------- 09.1 rank 0 only
+
+def _losses(counts: tuple[int, ...]) -> list[list[float]]:
+    generator = torch.Generator().manual_seed(11)
+    return [(torch.rand(count, generator=generator) * 2 + rank).tolist()
+            for rank, count in enumerate(counts)]
+
+
+def _mean_loss_trial(fn, counts: tuple[int, ...]):
+    losses = _losses(counts)
+    everything = [loss for rank_losses in losses for loss in rank_losses]
+    got = fn(list(losses[dist.get_rank()]))
+    return got, sum(everything) / len(everything)
+
+
+def _shown(value) -> str:
+    return f"{value:.6g}" if isinstance(value, (int, float)) else repr(value)
+
+
+def _mean_loss_judge(got, expected) -> str | None:
+    if isinstance(got, torch.Tensor) and got.numel() == 1:
+        got = got.item()
+    if not _close(got, expected):
+        return (f"expected the mean loss over every rank's samples, {expected:.6g}, got "
+                f"{_shown(got)}")
+    return None
+
+
+# ---------------------------------------------------------------- 09.2 dict order
+
+_METRICS = ("loss", "accuracy", "grad_norm", "samples_per_s")
+
+
+def _rank_metrics(rank: int) -> dict[str, float]:
+    return {"loss": 0.5 + 0.25 * rank, "accuracy": 0.75 + 0.125 * rank,
+            "grad_norm": 2.0 + 3 * rank, "samples_per_s": 1000.0 * (rank + 1)}
+
+
+def _metrics_trial(fn, orders_differ: bool):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    values = _rank_metrics(rank)
+    shift = rank if orders_differ else 0  # the order the metrics were recorded in
+    names = _METRICS[shift:] + _METRICS[:shift]
+    got = fn({name: values[name] for name in names})
+    expected = {name: sum(_rank_metrics(r)[name] for r in range(world)) / world
+                for name in _METRICS}
+    return got, expected
+
+
+def _metrics_judge(got, expected) -> str | None:
+    if not isinstance(got, dict) or set(got) != set(expected):
+        keys = sorted(got) if isinstance(got, dict) else type(got).__name__
+        return f"expected a dict with the keys {sorted(expected)}, got {keys}"
+    wrong = [f"{name!r} expected {expected[name]:.6g}, got {_shown(got[name])}"
+             for name in _METRICS if not _close(got[name], expected[name])]
+    if wrong:
+        return "averages over the ranks: " + "; ".join(wrong)
+    return None
+
+
+# ---------------------------------------------------------------- 09.3 uneven batches
+
+def _uneven_batches(counts: tuple[int, ...]):
+    generator = torch.Generator().manual_seed(13)
+    steps = max(counts)
+    inputs = torch.randn(len(counts), steps, 4, 4, generator=generator)
+    targets = torch.randn(len(counts), steps, 4, 2, generator=generator)
+    return inputs, targets
+
+
+def _linear() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(4, 2)
+
+
+def _uneven_trial(fn, counts: tuple[int, ...], lr: float = 0.1):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    inputs, targets = _uneven_batches(counts)
+    model = DDP(_linear())
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    fn(model, optimizer, [(inputs[rank, i], targets[rank, i]) for i in range(counts[rank])])
+    # one process: the first min(counts) batches of every rank, together
+    single = _linear()
+    single_optimizer = torch.optim.SGD(single.parameters(), lr=lr)
+    for i in range(min(counts)):
+        single_optimizer.zero_grad()
+        F.mse_loss(single(inputs[:, i].reshape(-1, 4)), targets[:, i].reshape(-1, 2)).backward()
+        single_optimizer.step()
+    return ([p.detach().clone() for p in model.module.parameters()],
+            {"weights": [p.detach() for p in single.parameters()], "steps": min(counts)})
+
+
+def _uneven_judge(got, expected) -> str | None:
+    difference = max((a - b).abs().max().item()
+                     for a, b in zip(got, expected["weights"], strict=True))
+    if difference > 1e-6:
+        steps = expected["steps"]
+        trained = "1 step on the first batch" if steps == 1 else (
+            f"{steps} steps on the first {steps} batches")
+        return (f"the weights differ by up to {difference:.2g} from {trained} of every rank "
+                "(expected within 1e-6)")
+    return None
+
+
+EXERCISES = [
+    Exercise(
+        key="09.1", title="a metric only rank 0 reduces", function="epoch_mean_loss",
+        cases=[Case(f"{len(counts)} ranks with {', '.join(map(str, counts))} losses",
+                    (counts,), len(counts))
+               for counts in ((3, 3), (2, 5, 1))],
+        trial=_mean_loss_trial, judge=_mean_loss_judge, timeout=8.0,
+        hint="every rank must enter the same collectives: compute the global sum and count "
+             "on every rank, and let only the printing depend on the rank; a mean of the "
+             "ranks' means weighs a rank with few samples as much as one with many",
+    ),
+    Exercise(
+        key="09.2", title="metrics averaged under the wrong names",
+        function="average_metrics",
+        cases=[Case("2 ranks, the same order on both", (False,), 2),
+               Case("2 ranks, the metrics recorded in different orders", (True,), 2),
+               Case("3 ranks, the metrics recorded in different orders", (True,), 3)],
+        trial=_metrics_trial, judge=_metrics_judge, timeout=8.0,
+        hint="the i-th all-reduce of one rank meets the i-th all-reduce of every other "
+             "rank, whatever name each rank had in mind: make the order the same everywhere "
+             "(it must not depend on how each rank filled its dict)",
+    ),
+    Exercise(
+        key="09.3", title="ranks with different numbers of batches",
+        function="train_on_uneven_batches",
+        cases=[Case(f"{len(counts)} ranks with {', '.join(map(str, counts))} batches",
+                    (counts,), len(counts))
+               for counts in ((3, 2), (2, 4), (3, 1, 2))],
+        trial=_uneven_trial, judge=_uneven_judge, timeout=12.0,
+        hint="a rank cannot know the other ranks' counts without asking them: one small "
+             "collective before the loop gives every rank the smallest count",
+    ),
+]
