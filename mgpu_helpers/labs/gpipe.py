@@ -1,15 +1,22 @@
-"""Chapter 06's GPipe measurement: step time and idle share of a pipeline on CPU ranks,
-for 1 to M micro-batches (the naive split is M = 1), with each step's timeline.
+"""Chapter 06's pipeline measurements on CPU ranks: step time and idle share of GPipe
+for 1 to M micro-batches (the naive split is M = 1); GPipe, 1F1B and interleaved 1F1B
+side by side, each with its steps' timelines; overlapped against blocking transfers in
+interleaved rounds; and what stage 0's first backward pass of a step costs (CPU time,
+page faults).
 
-The pipeline itself (``split_sequential``, ``gpipe_step``, ``Timeline``...) is the core
-module :mod:`mgpu_helpers.pipeline_parallel`; this module only builds a model made for
-the measurement and times it.
+The pipeline itself (``split_sequential``, ``gpipe_step``, ``interleaved_1f1b_step``,
+``Timeline``...) is the core module :mod:`mgpu_helpers.pipeline_parallel`; this module
+only builds a model made for the measurements and times it.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -17,16 +24,26 @@ from torch import nn
 
 from ..launcher import launch
 from ..pipeline_parallel import (
+    Event,
     Timeline,
     balanced_cuts,
     bubble_fraction,
+    bubble_to_compute,
     gpipe_step,
     ideal_speedup,
+    instant_transfers,
+    interleaved_1f1b_step,
+    interleaved_order,
     layer_costs,
     micro_batch_size,
     split_sequential,
     theoretical_bubble,
 )
+
+try:
+    import resource
+except ImportError:  # Windows: no page-fault counts
+    resource = None
 
 
 def pipeline_convnet(channels: int = 64, depth: int = 9, image_size: int = 16,
@@ -57,64 +74,381 @@ def example_batch(model_kwargs: dict, batch_size: int, seed: int = 1) -> tuple:
     return inputs, targets
 
 
-def _timed_steps(model_kwargs: dict, cuts: list[int], batch_size: int,
-                 micro_batch_counts: list[int], steps: int, overlap: bool) -> dict:
-    """Inside a rank: time ``steps`` GPipe steps for each micro-batch count."""
+class ProfiledTimeline(Timeline):
+    """A :class:`Timeline` that also notes, for every event, the CPU time this thread
+    spent in it and the minor page faults it took (memory the kernel had to map and
+    zero on first touch): ``profile[i]`` is ``(cpu_seconds, page_faults)`` of
+    ``events[i]``. Wall time well above CPU time means the thread was not running
+    (waiting, or its core taken by another process)."""
+
+    def __init__(self, stage: int):
+        super().__init__(stage)
+        self.profile: list[tuple[float, int]] = []
+
+    @contextmanager
+    def record(self, kind: str, micro_batch: int, virtual_stage: int | None = None):
+        faults, cpu = _page_faults(), time.thread_time()
+        with super().record(kind, micro_batch, virtual_stage):
+            yield
+        self.profile.append((time.thread_time() - cpu, _page_faults() - faults))
+
+
+def _page_faults() -> int:
+    """Minor page faults of this thread so far (of the process where threads are not
+    counted apart; 0 without the ``resource`` module)."""
+    if resource is None:
+        return 0
+    who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+    return resource.getrusage(who).ru_minflt
+
+
+def _equal_flop_cuts(model_kwargs: dict, pieces: int) -> list[int]:
+    """Where to cut :func:`pipeline_convnet` into ``pieces`` of equal forward FLOPs."""
     model = pipeline_convnet(**model_kwargs)
-    stage = split_sequential(model, cuts)[dist.get_rank()]
-    first, last = dist.get_rank() == 0, dist.get_rank() == dist.get_world_size() - 1
+    costs = layer_costs(model, example_batch(model_kwargs, 2)[0], repeats=1)
+    return balanced_cuts([cost.flops for cost in costs], pieces)
+
+
+def _stage_runner(model_kwargs: dict, cuts: list[int], batch_size: int, schedule: str,
+                  virtual_stages: int = 1) -> Callable:
+    """Inside a rank: this rank's pieces of :func:`pipeline_convnet`, and a function
+    that runs one training step of them with ``schedule`` ("gpipe" or "1f1b")."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pieces = split_sequential(pipeline_convnet(**model_kwargs), cuts)
+    mine = [pieces[chunk * world + rank] for chunk in range(virtual_stages)]
     inputs, targets = example_batch(model_kwargs, batch_size)
-    results = {}
-    for micro_batches in micro_batch_counts:
-        seconds, timeline = [], None
-        for step in range(steps + 1):  # step 0 warms up
-            timeline = Timeline(dist.get_rank())
-            stage.zero_grad(set_to_none=True)
+    inputs = inputs if rank == 0 else None
+    targets = targets if rank == world - 1 else None
+
+    def step(micro_batches: int, timeline: Timeline, overlap: bool = True) -> None:
+        for piece in mine:
+            piece.zero_grad(set_to_none=True)
+        if schedule == "gpipe":
+            gpipe_step(mine[0], micro_batches, inputs, targets, timeline=timeline,
+                       overlap=overlap)
+        else:
+            interleaved_1f1b_step(mine, micro_batches, inputs, targets, timeline=timeline)
+
+    return step
+
+
+def _time_steps(step: Callable, micro_batches: int, steps: int, overlap: bool = True,
+                timeline_type: type = Timeline) -> tuple[list[float], list[Timeline]]:
+    """Inside a rank: a warm-up step, then ``steps`` timed ones, each starting together
+    on all ranks (a barrier): their seconds and timelines."""
+    seconds, timelines = [], []
+    for index in range(steps + 1):  # step 0 warms up
+        timeline = timeline_type(dist.get_rank())
+        dist.barrier()
+        start = time.perf_counter()
+        step(micro_batches, timeline, overlap)
+        if index:
+            seconds.append(time.perf_counter() - start)
+            timelines.append(timeline)
+    return seconds, timelines
+
+
+def _timed_steps(model_kwargs: dict, configs: dict, batch_size: int,
+                 micro_batch_counts: list[int], steps: int) -> dict:
+    """Inside a rank: ``steps`` timed steps of every pipeline in ``configs`` (name ->
+    cuts, schedule, virtual stages, overlap) for each micro-batch count, taken in turns
+    (one step of each, then the next round), so that a burst of load elsewhere on the
+    machine hits them all alike."""
+    runners = {name: _stage_runner(model_kwargs, config["cuts"], batch_size,
+                                   config["schedule"], config["virtual_stages"])
+               for name, config in configs.items()}
+    cases = [(name, m) for name in configs for m in micro_batch_counts]
+    results = {name: {m: {"seconds": [], "events": [], "cpu": []} for m in micro_batch_counts}
+               for name in configs}
+    for index in range(steps + 1):  # round 0 warms up
+        for name, m in cases:
+            timeline = ProfiledTimeline(dist.get_rank())
             dist.barrier()
             start = time.perf_counter()
-            gpipe_step(stage, micro_batches, inputs if first else None,
-                       targets if last else None, timeline=timeline, overlap=overlap)
-            if step:
-                seconds.append(time.perf_counter() - start)
-        results[micro_batches] = {"seconds": seconds, "events": timeline.events}
+            runners[name](m, timeline, configs[name]["overlap"])
+            if index:
+                results[name][m]["seconds"].append(time.perf_counter() - start)
+                results[name][m]["events"].append(timeline.events)
+                results[name][m]["cpu"].append([cpu for cpu, _ in timeline.profile])
     return results
+
+
+def _median_index(values: Sequence[float]) -> int:
+    """The index of the median (the upper one for an even count)."""
+    return sorted(range(len(values)), key=values.__getitem__)[len(values) // 2]
+
+
+def _as_long_as_their_cpu_time(events: Sequence[Event], cpu: Sequence[float]) -> list:
+    """The events, each lasting as long as the CPU time its thread spent in it: without
+    the time a rank waited for a core that another process held."""
+    return [Event(e.stage, e.kind, e.micro_batch, e.start, e.start + seconds,
+                  e.virtual_stage) for e, seconds in zip(events, cpu, strict=True)]
+
+
+def _summarise(per_rank: list[dict], m: int) -> dict:
+    """One micro-batch count's runs (a step lasts as long as its slowest rank), and the
+    idle share of every step, measured and with instant transfers (each pass as long as
+    its CPU time); ``events`` is the timeline of the step with the median idle share."""
+    runs = [max(times) for times in zip(*(r[m]["seconds"] for r in per_rank), strict=True)]
+    steps = [[event for r in per_rank for event in r[m]["events"][index]]
+             for index in range(len(runs))]
+    cpu = [[seconds for r in per_rank for seconds in r[m]["cpu"][index]]
+           for index in range(len(runs))]
+    bubbles = [bubble_fraction(events) for events in steps]
+    instant = [bubble_fraction(instant_transfers(_as_long_as_their_cpu_time(events, seconds)))
+               for events, seconds in zip(steps, cpu, strict=True)]
+    middle = _median_index(bubbles)
+    return {"runs": runs, "seconds": sorted(runs)[len(runs) // 2], "bubbles": bubbles,
+            "bubble": bubbles[middle], "events": steps[middle],
+            "bubbles_instant_transfers": instant,
+            "bubble_instant_transfers": statistics.median(instant)}
+
+
+def _model_kwargs(channels: int, depth: int, image_size: int) -> dict:
+    return {"channels": channels, "depth": depth, "image_size": image_size}
 
 
 def measure_gpipe(micro_batch_counts: Sequence[int] = (1, 2, 4, 8, 16), stages: int = 2,
                   batch_size: int = 64, channels: int = 64, depth: int = 9,
                   image_size: int = 16, steps: int = 5, overlap: bool = True) -> dict:
     """Step time of the naive split (M = 1) and of GPipe for each M, on ``stages`` CPU
-    ranks, with the timeline of each M's last step.
+    ranks, with the idle share of every step (the counts are timed in turns).
 
     Returns ``{micro_batches: {"seconds": median step time, "runs": [...], "speedup":
-    over M = 1, "ideal_speedup", "bubble": measured, "theoretical_bubble", "events"}}``
-    plus the settings under ``"settings"``.
+    over M = 1, "ideal_speedup", "bubble": the median step's idle share, "bubbles": every
+    step's, "bubble_instant_transfers": the median with instant transfers
+    (:func:`~mgpu_helpers.pipeline_parallel.instant_transfers`), "theoretical_bubble",
+    "events": the median step's timeline}}`` plus the settings under ``"settings"``.
     """
     counts = sorted(set(micro_batch_counts))
     if 1 not in counts:
         counts.insert(0, 1)  # the naive split is the reference
     for m in counts:
         micro_batch_size(batch_size, m)
-    model_kwargs = {"channels": channels, "depth": depth, "image_size": image_size}
-    model = pipeline_convnet(**model_kwargs)
-    costs = layer_costs(model, example_batch(model_kwargs, 2)[0], repeats=1)
-    cuts = balanced_cuts([cost.flops for cost in costs], stages)  # equal FLOPs per stage
+    model_kwargs = _model_kwargs(channels, depth, image_size)
+    cuts = _equal_flop_cuts(model_kwargs, stages)
+    configs = {"gpipe": {"cuts": cuts, "schedule": "gpipe", "virtual_stages": 1,
+                         "overlap": overlap}}
     # CPU ranks on every machine: the stages, their tensors and the timings are the CPU
     # pipeline this measurement explains (a GPU pipeline would send through NCCL).
-    per_rank = launch(_timed_steps, model_kwargs, cuts, batch_size, counts, steps, overlap,
+    per_rank = launch(_timed_steps, model_kwargs, configs, batch_size, counts, steps,
                       nprocs=stages, backend="gloo", return_all=True)
+    per_rank = [r["gpipe"] for r in per_rank]
     result: dict = {"settings": {"stages": stages, "batch_size": batch_size, **model_kwargs,
                                  "steps": steps, "cuts": cuts, "overlap": overlap}}
     for m in counts:
-        runs = [max(times) for times in zip(*(r[m]["seconds"] for r in per_rank), strict=True)]
-        events = [event for r in per_rank for event in r[m]["events"]]
-        result[m] = {"runs": runs, "seconds": sorted(runs)[len(runs) // 2], "events": events,
-                     "bubble": bubble_fraction(events),
+        result[m] = {**_summarise(per_rank, m),
                      "theoretical_bubble": theoretical_bubble(stages, m),
                      "ideal_speedup": ideal_speedup(stages, m)}
     for m in counts:
         result[m]["speedup"] = result[1]["seconds"] / result[m]["seconds"]
     return result
+
+
+SCHEDULES = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved": ("1f1b", 2)}
+
+
+def compare_schedules(micro_batch_counts: Sequence[int] = (2, 4, 8, 16), ranks: int = 2,
+                      schedules: Sequence[str] = ("gpipe", "1f1b", "interleaved"),
+                      batch_size: int = 64, channels: int = 64, depth: int = 9,
+                      image_size: int = 16, steps: int = 5) -> dict:
+    """GPipe, 1F1B and interleaved 1F1B (2 virtual stages per rank) on ``ranks`` CPU
+    ranks, in one launch, their steps taken in turns: :func:`pipeline_convnet` cut into
+    pieces of equal FLOPs, ``ranks`` pieces for GPipe and 1F1B, twice as many for the
+    interleaved schedule (rank r holds pieces r and r + K).
+
+    Returns ``{"settings", name: {micro_batches: {"seconds", "runs", "bubble", "bubbles",
+    "bubble_instant_transfers", "bubbles_instant_transfers", "events",
+    "theoretical_bubble": (K-1)/(v·M+K-1), "bubble_to_compute": the measured idle share b
+    as b/(1-b), "theoretical_bubble_to_compute": (K-1)/(v·M)}}}`` for each schedule.
+    """
+    unknown = [name for name in schedules if name not in SCHEDULES]
+    if unknown or not schedules:
+        raise ValueError(f"unknown schedules {unknown}: choose from {sorted(SCHEDULES)}")
+    counts = sorted(set(micro_batch_counts))
+    for m in counts:
+        micro_batch_size(batch_size, m)
+        for name in schedules:
+            interleaved_order(0, ranks, SCHEDULES[name][1], m)  # a count it accepts
+    model_kwargs = _model_kwargs(channels, depth, image_size)
+    configs = {name: {"cuts": _equal_flop_cuts(model_kwargs, ranks * SCHEDULES[name][1]),
+                      "schedule": SCHEDULES[name][0], "virtual_stages": SCHEDULES[name][1],
+                      "overlap": True} for name in schedules}
+    # CPU ranks on every machine, as in measure_gpipe: the CPU pipeline it explains.
+    per_rank = launch(_timed_steps, model_kwargs, configs, batch_size, counts, steps,
+                      nprocs=ranks, backend="gloo", return_all=True)
+    result: dict = {"settings": {"ranks": ranks, "batch_size": batch_size, **model_kwargs,
+                                 "steps": steps, "micro_batches": counts,
+                                 "cuts": {name: c["cuts"] for name, c in configs.items()},
+                                 "virtual_stages": {name: c["virtual_stages"]
+                                                    for name, c in configs.items()}}}
+    for name, config in configs.items():
+        result[name] = {}
+        for m in counts:
+            row = _summarise([r[name] for r in per_rank], m)
+            virtual = config["virtual_stages"]
+            row["theoretical_bubble"] = theoretical_bubble(ranks, m, virtual)
+            row["bubble_to_compute"] = row["bubble"] / (1 - row["bubble"])
+            row["theoretical_bubble_to_compute"] = bubble_to_compute(ranks, m, virtual)
+            result[name][m] = row
+    return result
+
+
+# ----------------------------------------------------- overlap, in interleaved rounds
+
+
+def _overlap_rounds(model_kwargs: dict, cuts: list[int], batch_size: int,
+                    micro_batch_counts: list[int], steps: int, rounds: int) -> list:
+    """Inside a rank: per round, per M, both kinds of transfer in turn (the order
+    alternates between rounds): the seconds of every timed step."""
+    step = _stage_runner(model_kwargs, cuts, batch_size, "gpipe")
+    measured = []
+    for index in range(rounds):
+        kinds = ("overlapped", "blocking") if index % 2 == 0 else ("blocking", "overlapped")
+        row = {}
+        for m in micro_batch_counts:
+            row[m] = {kind: _time_steps(step, m, steps, kind == "overlapped")[0]
+                      for kind in kinds}
+        measured.append(row)
+    return measured
+
+
+def measure_overlap_rounds(micro_batch_counts: Sequence[int] = (8, 16), rounds: int = 5,
+                           steps: int = 5, stages: int = 2, batch_size: int = 64,
+                           channels: int = 64, depth: int = 9, image_size: int = 16) -> dict:
+    """GPipe with overlapped (non-blocking) against blocking transfers, measured in
+    ``rounds`` interleaved rounds in one launch, so that both meet the same load.
+
+    Returns ``{"settings", "rounds": [{M: {"overlapped": median step seconds,
+    "blocking": ..., "overlapped_runs": [...], "blocking_runs": [...]}}, ...],
+    "summary": {M: {"overlapped": median over rounds, "blocking": ..., "blocking_slower_in":
+    rounds where blocking was slower, "median_ratio": the median round's blocking /
+    overlapped}}}``.
+    """
+    for name, value in (("rounds", rounds), ("steps", steps)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+    counts = sorted(set(micro_batch_counts))
+    for m in counts:
+        micro_batch_size(batch_size, m)
+    model_kwargs = _model_kwargs(channels, depth, image_size)
+    cuts = _equal_flop_cuts(model_kwargs, stages)
+    # CPU ranks on every machine, as in measure_gpipe: the CPU pipeline it explains.
+    per_rank = launch(_overlap_rounds, model_kwargs, cuts, batch_size, counts, steps,
+                      rounds, nprocs=stages, backend="gloo", return_all=True)
+    table = []
+    for index in range(rounds):
+        row = {}
+        for m in counts:
+            row[m] = {}
+            for kind in ("overlapped", "blocking"):
+                runs = [max(times) for times in
+                        zip(*(r[index][m][kind] for r in per_rank), strict=True)]
+                row[m][kind] = statistics.median(runs)
+                row[m][f"{kind}_runs"] = runs
+        table.append(row)
+    summary = {m: {"overlapped": statistics.median(row[m]["overlapped"] for row in table),
+                   "blocking": statistics.median(row[m]["blocking"] for row in table),
+                   "blocking_slower_in": sum(row[m]["blocking"] > row[m]["overlapped"]
+                                             for row in table),
+                   "median_ratio": statistics.median(row[m]["blocking"] / row[m]["overlapped"]
+                                                     for row in table)}
+               for m in counts}
+    return {"settings": {"stages": stages, "batch_size": batch_size, **model_kwargs,
+                         "steps": steps, "rounds": rounds, "cuts": cuts},
+            "rounds": table, "summary": summary}
+
+
+# ------------------------------------------------- stage 0's first backward pass
+
+
+def keep_freed_memory() -> None:
+    """Ask glibc's allocator to keep the memory this process frees (Linux): no heap
+    trimming, no separate mappings for large blocks, so a freed block is reused without
+    new page faults. Raises RuntimeError where that is not possible."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "mallopt"):
+        raise RuntimeError("keep_freed_memory needs glibc's mallopt (Linux): this C "
+                           "library has none; run the measurement without keep_memory")
+    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
+    if not (libc.mallopt(m_trim_threshold, 2**30) and libc.mallopt(m_mmap_threshold, 2**25)):
+        raise RuntimeError("glibc refused the mallopt settings; run the measurement "
+                           "without keep_memory")
+
+
+def _profiled_steps(model_kwargs: dict, cuts: list[int], batch_size: int,
+                    micro_batches: int, steps: int, keep_memory: bool) -> list:
+    """Inside a rank: the process's first GPipe step, then a warm-up and ``steps`` timed
+    ones, with a :class:`ProfiledTimeline`: per step, per event, (kind, micro-batch,
+    start, end, cpu seconds, page faults)."""
+    if keep_memory:
+        keep_freed_memory()
+    step = _stage_runner(model_kwargs, cuts, batch_size, "gpipe")
+    first = ProfiledTimeline(dist.get_rank())
+    dist.barrier()
+    step(micro_batches, first)
+    _, timelines = _time_steps(step, micro_batches, steps, timeline_type=ProfiledTimeline)
+    return [[(e.kind, e.micro_batch, e.start, e.end, cpu, faults)
+             for e, (cpu, faults) in zip(t.events, t.profile, strict=True)]
+            for t in [first, *timelines]]
+
+
+def _median_costs(events: list) -> dict:
+    return {"wall_ms": 1e3 * statistics.median(e[3] - e[2] for e in events),
+            "cpu_ms": 1e3 * statistics.median(e[4] for e in events),
+            "page_faults": statistics.median(e[5] for e in events)}
+
+
+def first_backward_costs(micro_batches: int = 8, steps: int = 9, keep_memory: bool = False,
+                         stages: int = 2, batch_size: int = 64, channels: int = 64,
+                         depth: int = 9, image_size: int = 16) -> dict:
+    """What each stage's first backward pass of a GPipe step costs, against its other
+    backward passes and its forward passes: medians over ``steps`` timed steps (after a
+    warm-up) of the wall time, the CPU time and the page faults of each; with
+    ``keep_memory`` the allocator keeps what it frees (:func:`keep_freed_memory`).
+
+    Returns ``{"settings", "stages": [{"first_backward": {"wall_ms", "cpu_ms",
+    "page_faults"}, "other_backwards", "forwards", "first_to_other": wall-time ratio,
+    "process_first_backward": the same for the first backward pass the process ever ran
+    (in its first step, which the timed steps leave out)}, ...], "gradient_gap_ms",
+    "gradient_gap_min_ms"}``, the gap (median and smallest over the steps) being how long
+    after stage 1 finished its first backward pass of a step stage 0 started its own:
+    the gradient's way from one to the other, idle time. A gap above 0 shows that stage
+    0's box starts after the gradient it needs exists: the wait is not in the box.
+    """
+    micro_batch_size(batch_size, micro_batches)
+    if micro_batches < 2:
+        raise ValueError("first_backward_costs compares the first backward pass with the "
+                         "others: use at least 2 micro-batches")
+    model_kwargs = _model_kwargs(channels, depth, image_size)
+    cuts = _equal_flop_cuts(model_kwargs, stages)
+    # CPU ranks on every machine, as in measure_gpipe: the CPU pipeline it explains.
+    per_rank = launch(_profiled_steps, model_kwargs, cuts, batch_size, micro_batches, steps,
+                      keep_memory, nprocs=stages, backend="gloo", return_all=True)
+    summary = []
+    for process_first, *rank_steps in per_rank:
+        backwards = [[e for e in events if e[0] == "backward"] for events in rank_steps]
+        first = _median_costs([b[0] for b in backwards])
+        others = _median_costs([e for b in backwards for e in b[1:]])
+        summary.append({
+            "first_backward": first, "other_backwards": others,
+            "forwards": _median_costs([e for events in rank_steps for e in events
+                                       if e[0] == "forward"]),
+            "first_to_other": first["wall_ms"] / others["wall_ms"],
+            "process_first_backward": _median_costs(
+                [next(e for e in process_first if e[0] == "backward")])})
+    gaps = [next(e for e in zero if e[0] == "backward")[2]
+            - next(e for e in one if e[0] == "backward")[3]
+            for zero, one in zip(per_rank[0][1:], per_rank[1][1:], strict=True)]
+    return {"settings": {"stages": stages, "micro_batches": micro_batches, "steps": steps,
+                         "keep_memory": keep_memory, "batch_size": batch_size,
+                         **model_kwargs, "cuts": cuts},
+            "stages": summary, "gradient_gap_ms": 1e3 * statistics.median(gaps),
+            "gradient_gap_min_ms": 1e3 * min(gaps)}
+
+
+# ------------------------------------------------------ the library's interleaving
 
 
 def interleaved_step(images: torch.Tensor, labels: torch.Tensor, cuts: list[int],
