@@ -13,7 +13,12 @@ by the core helpers (a test checks the direction).
 * :mod:`.dcp`: chapter 07's distributed checkpoint, saved by 4 ranks and loaded by 2;
 * :mod:`.recompute`: chapter 07's activation checkpointing, full and selective;
 * :mod:`.mesh2d`: chapter 07's 2-D mesh, FSDP across and tensor parallelism within;
+* :mod:`.memory`: chapter 07's memory at rest and at the peak, and traffic per step, of
+  DDP, ZeRO-1 and FSDP2;
 * :mod:`.ablation`: chapter 08's ablation, judged against an A/A noise band;
-* :mod:`.gpipe`: chapter 06's GPipe step times and timelines, and interleaved 1F1B;
+* :mod:`.compiled_ddp`: chapter 08's ``torch.compile`` of a DDP model, one graph per
+  bucket;
+* :mod:`.gpipe`: chapter 06's pipeline step times, timelines and schedules compared
+  (GPipe, 1F1B, interleaved 1F1B), overlap rounds, the first backward's cost;
 * :mod:`.debug_labs`: chapter 09's broken-and-fixed distributed programs.
 """

@@ -1,0 +1,122 @@
+"""Chapter 08's exercises: a checkpoint that a crash cannot destroy, and a batch plan."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .core import Case, Exercise
+
+
+class _FailsWhileSaving:
+    """Pickling it raises, as a full disk or a killed process would stop a save half-way."""
+
+    def __reduce__(self):
+        raise OSError("No space left on device (simulated, half-way through the save)")
+
+
+def _checkpoint_trial(fn, scenario: str):
+    old = {"step": 100, "weights": torch.arange(6.0)}
+    new = {"step": 200, "weights": torch.arange(6.0) * 2}
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder, "checkpoint.pt")
+        if scenario != "first save":
+            torch.save(old, path)
+        raised = None
+        if scenario == "a save that fails":
+            try:
+                fn({**new, "broken": _FailsWhileSaving()}, path)
+            except Exception as error:  # the failure must reach the caller
+                raised = type(error).__name__
+        else:
+            fn(new, path)
+        try:
+            kept = torch.load(path, weights_only=False) if path.exists() else None
+        except Exception:  # a save cut off half-way leaves a file torch cannot read
+            kept = "unreadable"
+        files = sorted(p.name for p in Path(folder).iterdir())
+    expected_state = old if scenario == "a save that fails" else new
+    got = {"state": kept, "files": files, "raised": raised}
+    return got, {"state": expected_state, "files": ["checkpoint.pt"],
+                 "raised": "OSError" if scenario == "a save that fails" else None,
+                 "scenario": scenario}
+
+
+def _same_state(a, b) -> bool:
+    return (isinstance(a, dict) and a.keys() == b.keys()
+            and all(torch.equal(a[k], b[k]) if isinstance(b[k], torch.Tensor) else a[k] == b[k]
+                    for k in b))
+
+
+def _checkpoint_judge(got, expected) -> str | None:
+    if expected["raised"] and got["raised"] is None:
+        return "the save failed half-way, but no exception reached the caller"
+    if got["state"] is None:
+        return "checkpoint.pt does not exist afterwards"
+    if got["state"] == "unreadable":
+        return ("checkpoint.pt no longer loads afterwards: the save wrote over it and "
+                "stopped half-way, so the previous checkpoint is lost")
+    if not _same_state(got["state"], expected["state"]):
+        if expected["scenario"] == "a save that fails":
+            return ("the previous checkpoint was lost: after the failed save, checkpoint.pt "
+                    f"holds step {got['state'].get('step', '?')}, expected step 100")
+        return (f"checkpoint.pt holds step {got['state'].get('step', '?')}, expected "
+                f"step {expected['state']['step']}")
+    if got["files"] != expected["files"]:
+        return (f"the folder holds {got['files']} afterwards, expected only "
+                f"{expected['files']}: remove what the save leaves behind")
+    return None
+
+
+def _plan_trial(fn, global_batch: int, world: int, limit: int):
+    try:
+        got = fn(global_batch, world, limit)
+    except ValueError as error:
+        got = ("ValueError", str(error))
+    if global_batch % world:
+        return got, ("ValueError", None)
+    per_rank = global_batch // world
+    # the fewest accumulation steps whose micro-batch fits: the largest divisor <= limit
+    micro = max(d for d in range(1, min(per_rank, limit) + 1) if per_rank % d == 0)
+    return got, (micro, per_rank // micro)
+
+
+def _plan_judge(got, expected) -> str | None:
+    if expected[0] == "ValueError":
+        if isinstance(got, tuple) and got[:1] == ("ValueError",):
+            return None
+        return (f"expected a ValueError (the global batch cannot be split evenly between "
+                f"the ranks), got {got!r}")
+    if isinstance(got, tuple) and got[:1] == ("ValueError",):
+        return f"expected {expected}, got ValueError: {got[1]}"
+    normalised = tuple(got) if isinstance(got, (tuple, list)) else got
+    if normalised != expected:
+        return (f"expected (micro-batch per rank, accumulation steps) = {expected}, "
+                f"got {got!r}")
+    return None
+
+
+EXERCISES = [
+    Exercise(
+        key="08.1", title="a checkpoint a crash cannot destroy", function="save_atomically",
+        cases=[Case(scenario, (scenario,)) for scenario in
+               ("first save", "replacing a checkpoint", "a save that fails")],
+        trial=_checkpoint_trial, judge=_checkpoint_judge,
+        hint="write to a temporary file next to the checkpoint (same folder, so the same "
+             "file system), then os.replace it onto the checkpoint; if the save raises, "
+             "remove the temporary file and let the exception go on",
+    ),
+    Exercise(
+        key="08.2", title="micro-batches and accumulation for a global batch",
+        function="batch_plan",
+        cases=[Case(f"global batch {g}, {w} ranks, at most {m} samples per pass", (g, w, m))
+               for g, w, m in ((256, 2, 64), (256, 8, 32), (96, 4, 8), (120, 8, 7),
+                               (100, 3, 64), (64, 1, 64))],
+        trial=_plan_trial, judge=_plan_judge,
+        hint="each rank gets global batch / world samples per step, split into equal "
+             "micro-batches of at most the limit; raise ValueError when the ranks cannot "
+             "get equal shares",
+    ),
+]
