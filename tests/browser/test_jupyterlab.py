@@ -27,6 +27,8 @@ import chapters  # tools/chapters.py (pytest's pythonpath)
 import pytest
 from lab_session import ROOT, LabServer, chromium_page, find_chromium, prepare_workdir
 
+from mgpu_helpers import exercises as mh_exercises
+
 ALL_CHAPTERS = sorted(path.name for path in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 CHAPTERS = ["00_environment.ipynb", "01_datasets_and_augmentation.ipynb",
             "05_distributed_data_parallel.ipynb"]  # run in the browser
@@ -94,12 +96,13 @@ def lab(tmp_path_factory):
 
 def shorten(path: Path, last_cell: str) -> None:
     """Keep the notebook's cells up to the code cell that starts with ``last_cell``, and
-    end with a cell that removes the chapter's temporary folder, as its last cell does."""
+    end with the chapter's cell that removes its temporary folder."""
     notebook = json.loads(path.read_text())
     sources = ["".join(cell["source"]) for cell in notebook["cells"]]
     end = next(i for i, source in enumerate(sources) if source.startswith(last_cell))
-    cleanup = next(cell for cell in notebook["cells"][::-1] if cell["cell_type"] == "code")
-    assert "rmtree(workdir)" in "".join(cleanup["source"]), "chapter 05's last cell changed"
+    cleanup = next((cell for cell in notebook["cells"][::-1] if cell["cell_type"] == "code"
+                    and "rmtree(workdir)" in "".join(cell["source"])), None)
+    assert cleanup is not None, "chapter 05 no longer removes its temporary folder"
     notebook["cells"] = notebook["cells"][:end + 1] + [cleanup]
     path.write_text(json.dumps(notebook))
 
@@ -282,10 +285,16 @@ def test_landing_page_links_every_chapter(lab):
     # JupyterLab rewrites relative links into its own URLs; the file name stays last.
     linked = [name for link in links for name in ALL_CHAPTERS
               if link.split("?")[0].endswith(name)]
-    assert linked == ALL_CHAPTERS, links
+    assert linked[:len(ALL_CHAPTERS)] == ALL_CHAPTERS, links  # the chapter map
+    # then the exercise table: each chapter with exercises, at its "Exercises" heading
+    exercise_links = [link for link in links if ".ipynb" in link and link.endswith("#Exercises")]
+    with_exercises = sorted({key[:2] for key in mh_exercises.registry()})
+    assert linked[len(ALL_CHAPTERS):] == [name for name in ALL_CHAPTERS
+                                           if name[:2] in with_exercises], links
+    assert len(exercise_links) == len(with_exercises), links
     report = page.locator(".jp-OutputArea-output", has_text="Environment report")
     assert "Workbook plan" in report.inner_text()
     screenshot(page, chapters.LANDING_NAME)
-    # A link opens the chapter in JupyterLab.
-    page.locator(".jp-RenderedMarkdown a", has_text=re.compile("^Datasets and")).click()
+    # A link opens the chapter in JupyterLab (the first: the chapter map's).
+    page.locator(".jp-RenderedMarkdown a", has_text=re.compile("^Datasets and")).first.click()
     page.wait_for_selector(".lm-TabBar-tab.jp-mod-current >> text=01_datasets")
