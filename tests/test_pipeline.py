@@ -232,13 +232,15 @@ def test_activation_meter_counts_saved_activations_until_backward_frees_them():
 
 
 @pytest.mark.usefixtures("no_leftover_processes")
-def test_interleaved_1f1b_with_two_virtual_stages_per_rank_gives_the_unsplit_gradients():
+@pytest.mark.parametrize("schedule", gpipe.LIBRARY_SCHEDULES)
+def test_library_schedules_with_two_virtual_stages_per_rank_give_the_unsplit_gradients(
+        schedule):
     from mgpu_helpers.models import SeedCNN
 
     torch.manual_seed(0)
     images, labels = torch.rand(16, 3, 32, 32), torch.randint(0, 10, (16,))
-    ranks = launch(gpipe.interleaved_step, images, labels, [2, 4, 6], 4, nprocs=2,
-                   backend="gloo", return_all=True)
+    ranks = launch(gpipe.interleaved_step, images, labels, [2, 4, 7], 4, 0, schedule,
+                   nprocs=2, backend="gloo", return_all=True)
     torch.manual_seed(0)
     model = SeedCNN()
     loss = F.cross_entropy(model(images), labels)
@@ -250,6 +252,16 @@ def test_interleaved_1f1b_with_two_virtual_stages_per_rank_gives_the_unsplit_gra
     assert all(abs(rank_loss - loss.item()) < 1e-5 for rank_loss, _ in ranks)
 
 
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_zero_bubble_cannot_split_the_backward_of_a_piece_that_returns_a_view():
+    # cut right after flatten: piece 2's output is a view, which the split backward
+    # (input gradient now, weight gradient later) tries to detach in place
+    images, labels = torch.rand(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    with pytest.raises(LaunchError, match="Can't detach views in-place"):
+        launch(gpipe.interleaved_step, images, labels, [2, 4, 6], 4, 0, "ZBVZeroBubble",
+               nprocs=2, backend="gloo")
+
+
 def test_interleaving_needs_two_stages_per_rank():
     def one_rank_three_cuts():
         return gpipe.interleaved_step(torch.rand(4, 3, 32, 32), torch.zeros(4).long(),
@@ -257,3 +269,10 @@ def test_interleaving_needs_two_stages_per_rank():
 
     with pytest.raises(LaunchError, match="1 ranks with 2 virtual stages each need 1 cuts"):
         launch(one_rank_three_cuts, nprocs=1, backend="gloo")
+
+    def unknown_schedule():
+        return gpipe.interleaved_step(torch.rand(4, 3, 32, 32), torch.zeros(4).long(), [2],
+                                      4, 0, "DualPipe")
+
+    with pytest.raises(LaunchError, match="schedule must be one of"):
+        launch(unknown_schedule, nprocs=1, backend="gloo")

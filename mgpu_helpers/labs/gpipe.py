@@ -451,13 +451,19 @@ def first_backward_costs(micro_batches: int = 8, steps: int = 9, keep_memory: bo
 # ------------------------------------------------------ the library's interleaving
 
 
+LIBRARY_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+
+
 def interleaved_step(images: torch.Tensor, labels: torch.Tensor, cuts: list[int],
-                     micro_batches: int, seed: int = 0) -> tuple[float, dict]:
+                     micro_batches: int, seed: int = 0,
+                     schedule: str = "Interleaved1F1B") -> tuple[float, dict]:
     """Inside one of K ranks: one training step of the seed CNN cut at ``cuts`` into 2K
-    stages, run by ``torch.distributed.pipelining.ScheduleInterleaved1F1B``. Rank r holds
-    stages r and r + K (two *virtual* stages), so the first and the last stage live on
-    ranks 0 and K - 1. Returns the batch's mean loss (on every rank) and this rank's
-    gradients by parameter name, to compare with the unsplit model."""
+    stages, run by ``torch.distributed.pipelining``'s ``Schedule<schedule>``. Rank r
+    holds two *virtual* stages: r and r + K (round-robin, for ``Interleaved1F1B`` and
+    ``InterleavedZeroBubble``), or r and 2K - 1 - r (the V shape of ``ZBVZeroBubble``,
+    which puts the first and the last stage on rank 0). Returns the batch's mean loss
+    (on every rank) and this rank's gradients by parameter name, to compare with the
+    unsplit model."""
     import torch.nn.functional as F
     from torch.distributed import pipelining
 
@@ -467,21 +473,23 @@ def interleaved_step(images: torch.Tensor, labels: torch.Tensor, cuts: list[int]
     if len(cuts) + 1 != 2 * world:
         raise ValueError(f"{world} ranks with 2 virtual stages each need {2 * world - 1} "
                          f"cuts, got {len(cuts)}")
+    if schedule not in LIBRARY_SCHEDULES:
+        raise ValueError(f"schedule must be one of {LIBRARY_SCHEDULES}, got {schedule!r}")
     torch.manual_seed(seed)
     model = SeedCNN()
     pieces = split_sequential(as_sequential(model), cuts)
+    mine = (rank, 2 * world - 1 - rank) if schedule == "ZBVZeroBubble" else (rank, rank + world)
     stages = [pipelining.PipelineStage(pieces[index], index, len(pieces), torch.device("cpu"))
-              for index in (rank, rank + world)]
-    schedule = pipelining.ScheduleInterleaved1F1B(stages, n_microbatches=micro_batches,
-                                                  loss_fn=F.cross_entropy)
+              for index in mine]
+    runner = getattr(pipelining, f"Schedule{schedule}")(
+        stages, n_microbatches=micro_batches, loss_fn=F.cross_entropy)
+    first, last = 0 in mine, len(pieces) - 1 in mine
     losses = []
-    if rank == 0:
-        schedule.step(images)
-    elif rank == world - 1:
-        schedule.step(target=labels, losses=losses)
-    else:
-        schedule.step()
+    runner.step(*([images] if first else []), **({"target": labels, "losses": losses}
+                                                 if last else {}))
     loss = torch.tensor(sum(x.item() for x in losses) / micro_batches if losses else 0.0)
-    dist.broadcast(loss, src=world - 1)
+    owner = torch.tensor(rank if last else -1)
+    dist.all_reduce(owner, op=dist.ReduceOp.MAX)  # the rank holding the last stage
+    dist.broadcast(loss, src=int(owner))
     return loss.item(), {name: p.grad for name, p in model.named_parameters()
                          if p.grad is not None}
