@@ -7,6 +7,7 @@ import matplotlib
 import pytest
 import torch
 import torch.nn.functional as F
+from test_pipeline import batch, mlp  # the same small model and batch
 from torch import nn
 
 from mgpu_helpers import LaunchError, launch, rank, world_size
@@ -15,19 +16,6 @@ from mgpu_helpers.labs import gpipe
 
 matplotlib.use("Agg")
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
-
-
-def mlp(depth=6, width=16, classes=4):
-    torch.manual_seed(0)
-    layers = [nn.Linear(8, width), nn.Tanh()]
-    for _ in range(depth - 1):
-        layers += [nn.Linear(width, width), nn.Tanh()]
-    return nn.Sequential(*layers, nn.Linear(width, classes))
-
-
-def batch(n=24):
-    generator = torch.Generator().manual_seed(3)
-    return torch.randn(n, 8, generator=generator), torch.randint(0, 4, (n,), generator=generator)
 
 
 # ------------------------------------------------------------------ the order

@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import pickle
-
 import torch
 import torch.distributed as dist
 
+from ..flight_recorder import collectives_so_far
 from .core import Case, Exercise
-
-
-def _collectives_so_far() -> list[dict]:
-    # the flight recorder lists what this rank's process group ran (chapter 09)
-    dump = torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=False)
-    return pickle.loads(dump)["entries"]
 
 
 def _rank_input(length: int) -> torch.Tensor:
@@ -23,7 +16,7 @@ def _rank_input(length: int) -> torch.Tensor:
 
 
 def _point_to_point_only(before: int) -> list[str]:
-    return sorted({entry["profiling_name"] for entry in _collectives_so_far()[before:]
+    return sorted({entry["profiling_name"] for entry in collectives_so_far()[before:]
                    if not entry.get("is_p2p", False)})
 
 
@@ -31,7 +24,7 @@ def _ring_trial(fn, length: int):
     tensor = _rank_input(length)
     expected = tensor.clone()
     dist.all_reduce(expected)
-    before = len(_collectives_so_far())
+    before = len(collectives_so_far())
     fn(tensor)
     return (tensor, _point_to_point_only(before)), expected
 
@@ -43,7 +36,7 @@ def _reduce_scatter_trial(fn, length: int):
     dist.all_reduce(expected)
     expected = expected.chunk(world)[dist.get_rank()].clone()
     output = torch.full((length,), float("nan"))
-    before = len(_collectives_so_far())
+    before = len(collectives_so_far())
     fn(output, source.clone())
     return (output, _point_to_point_only(before)), expected
 

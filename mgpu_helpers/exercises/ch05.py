@@ -3,20 +3,13 @@ batch-norm statistics over all ranks, each checked on gloo ranks against PyTorch
 
 from __future__ import annotations
 
-import pickle
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..flight_recorder import collectives_so_far
 from .core import Case, Exercise
-
-
-def _collectives_so_far() -> list[dict]:
-    # the flight recorder lists what this rank's process group ran (chapter 09)
-    dump = torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=False)
-    return pickle.loads(dump)["entries"]
 
 
 def _largest(tensor: torch.Tensor) -> float:
@@ -46,10 +39,10 @@ def _hook_gradients(hook, inputs: torch.Tensor, loss_scale: float,
     for step in range(2):
         ddp.zero_grad()
         loss = ddp(inputs[step]).square().mean() * loss_scale
-        before = len(_collectives_so_far())
+        before = len(collectives_so_far())
         loss.backward()
         if sent is not None:
-            sent += [dtype for entry in _collectives_so_far()[before:]
+            sent += [dtype for entry in collectives_so_far()[before:]
                      for dtype in entry["input_dtypes"]]
         seen.append(torch.cat([p.grad.flatten() for p in model.parameters()]).clone())
     return seen
@@ -121,12 +114,12 @@ def _accumulation_trial(fn, accumulation: int, micro_batch: int, steps: int = 3)
     inputs, labels = _accumulation_data(world, accumulation, micro_batch, steps)
     model = DDP(_small_classifier())  # one bucket: one all-reduce per synchronised backward
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    before = len(_collectives_so_far())
+    before = len(collectives_so_far())
     for step in range(steps):
         fn(model, optimizer, [(inputs[step, rank, i], labels[step, rank, i])
                               for i in range(accumulation)])
     all_reduces = sum(entry["profiling_name"].endswith("all_reduce")
-                      for entry in _collectives_so_far()[before:])
+                      for entry in collectives_so_far()[before:])
     # one process, every rank's micro-batches in one batch
     big = _small_classifier()
     big_optimizer = torch.optim.SGD(big.parameters(), lr=0.5, momentum=0.9)

@@ -3,20 +3,13 @@ and a tensor-parallel feed-forward block written by hand."""
 
 from __future__ import annotations
 
-import pickle
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..flight_recorder import collectives_so_far
 from .core import Case, Exercise
-
-
-def _collectives_so_far() -> list[dict]:
-    # the flight recorder lists what this rank's process group ran (chapter 09)
-    dump = torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=False)
-    return pickle.loads(dump)["entries"]
 
 
 def _largest(tensor: torch.Tensor) -> float:
@@ -138,7 +131,7 @@ def _block() -> nn.Sequential:
 
 def _collectives_between(before: int, after: int | None = None) -> list[tuple]:
     return [(entry["profiling_name"].split(":")[-1], [list(s) for s in entry["input_sizes"]])
-            for entry in _collectives_so_far()[before:after]]
+            for entry in collectives_so_far()[before:after]]
 
 
 def _tp_trial(fn, input_needs_grad: bool):
@@ -151,9 +144,9 @@ def _tp_trial(fn, input_needs_grad: bool):
     shards = [shard.detach().clone().requires_grad_() for shard in shards]
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(3))
     x_mine = x.clone().requires_grad_(input_needs_grad)
-    start = len(_collectives_so_far())
+    start = len(collectives_so_far())
     out = fn(x_mine, *shards)
-    middle = len(_collectives_so_far())
+    middle = len(collectives_so_far())
     if isinstance(out, torch.Tensor) and out.requires_grad:
         out.pow(2).mean().backward()
     differentiable = isinstance(out, torch.Tensor) and out.requires_grad

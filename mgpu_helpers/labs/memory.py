@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..flight_recorder import collectives_so_far
 from ..ranks import rank, world_size
 
 STRATEGIES = ("DDP", "DDP, bucket views", "ZeRO-1", "FSDP2, keep after forward", "FSDP2")
@@ -159,15 +160,6 @@ def _extra_at_peak(profile) -> dict:
             for phase, (start, end) in phases.items()}
 
 
-def _flight_records() -> list[dict]:
-    """This rank's flight recorder: the collectives its process groups ran, newest last
-    (on by default, gloo included; chapter 09)."""
-    import pickle
-
-    dump = torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=False)
-    return pickle.loads(dump)["entries"]
-
-
 # How much each collective moves, in elements of its tensors, counted as the ZeRO paper
 # and the Ultra-Scale Playbook count it: an all-reduce is a reduce-scatter plus an
 # all-gather, twice the tensor; the others once.
@@ -216,12 +208,12 @@ def rank_memory(strategy: str, checkpointing: bool = False, steps: int = 3,
 
     for x in batches[:-1]:
         step(x)
-    recorded = len(_flight_records())
+    recorded = len(collectives_so_far())
     with _native_logs_silenced():
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recording:
             step(batches[-1])
     extra = _extra_at_peak(recording)
-    communication = collectives_volume(_flight_records()[recorded:])
+    communication = collectives_volume(collectives_so_far()[recorded:])
     params = list(wrapped.parameters())
     stored = {"parameters": _local_bytes(params),
               "gradients": _local_bytes([p.grad for p in params]),
