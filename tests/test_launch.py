@@ -296,13 +296,21 @@ def stop_marker(path: str, ignore_sigterm: bool = False):
             os._exit(0)
         signal.signal(signal.SIGTERM, record)
     Path(path + ".ready").write_text("")
-    time.sleep(600)
+    # Short sleeps: the kernel may deliver SIGTERM to one of gloo's threads, and Python
+    # runs the handler only when the main thread next executes bytecode; one long
+    # sleep(600) would then outlast the launcher's grace and end in SIGKILL.
+    for _ in range(12000):
+        time.sleep(0.05)
 
 
-def test_a_failure_stops_the_other_ranks_with_sigterm_first(tmp_path):
+def test_a_failure_stops_the_other_ranks_with_sigterm_first(tmp_path, monkeypatch):
+    # What is checked is the order (SIGTERM, then SIGKILL), not the grace's length: a
+    # long grace keeps a loaded CI machine from turning this into a SIGKILL.
+    monkeypatch.setattr(supervisor, "TERMINATE_GRACE_S", 30.0)
     marker = str(tmp_path / "rank1")
-    with pytest.raises(LaunchError, match="^rank 0 failed: ValueError: rank 0 fails"):
+    with pytest.raises(LaunchError, match="^rank 0 failed: ValueError: rank 0 fails") as caught:
         launch(stop_marker, marker, nprocs=2, backend="gloo", join_timeout=120)
+    assert Path(marker).exists(), f"rank 1 never ran its SIGTERM handler:\n{caught.value}"
     assert Path(marker).read_text() == "SIGTERM"
 
 
