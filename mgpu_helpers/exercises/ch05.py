@@ -9,12 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..flight_recorder import collectives_so_far
-from .core import Case, Exercise
-
-
-def _largest(tensor: torch.Tensor) -> float:
-    return tensor.abs().max().item()
-
+from .core import Case, Exercise, largest_abs
 
 # ---------------------------------------------------------------- 05.1 float16 hook
 
@@ -56,7 +51,7 @@ def _hook_trial(fn, same_inputs: bool, near_limit: bool):
     loss_scale = 1.0
     if near_limit:  # a loss scale, as a GradScaler applies: gradients near 50,000
         plain = _hook_gradients(None, inputs, 1.0)
-        loss_scale = 50_000 / max(_largest(g) for g in plain)
+        loss_scale = 50_000 / max(largest_abs(g) for g in plain)
     default = _hook_gradients(None, inputs, loss_scale)
     torch_hook = _hook_gradients(default_hooks.fp16_compress_hook, inputs, loss_scale)
     sent: list[str] = []
@@ -75,13 +70,13 @@ def _hook_judge(got, expected) -> str | None:
         if not torch.isfinite(mine).all():
             wrong = int((~torch.isfinite(mine)).sum())
             return (f"backward {step + 1}: {wrong} of {mine.numel()} gradients came back inf "
-                    f"or nan (DDP's own: largest {_largest(default):,.5g}); float16's largest "
+                    f"or nan (DDP's own: largest {largest_abs(default):,.5g}); float16's largest "
                     "value is 65,504")
-        scale = _largest(default)
+        scale = largest_abs(default)
         tolerance = 2e-3 * scale  # float16 keeps 11 significant bits
         for name, reference in (("DDP's default all-reduce", default),
                                 ("torch's fp16_compress_hook", torch_hook)):
-            difference = _largest(mine - reference)
+            difference = largest_abs(mine - reference)
             if difference > tolerance:
                 ratio = (mine @ reference / (reference @ reference)).item()
                 if abs(ratio - 1) > 0.01:
@@ -138,7 +133,7 @@ def _accumulation_judge(got, expected) -> str | None:
         problems.append(f"DDP ran {got['all_reduces']} gradient all-reduces in "
                         f"{expected['all_reduces']} steps, expected {expected['all_reduces']} "
                         "(one per step)")
-    difference = max(_largest(a - b) for a, b in zip(got["weights"], expected["weights"],
+    difference = max(largest_abs(a - b) for a, b in zip(got["weights"], expected["weights"],
                                                      strict=True))
     if difference > 1e-6:
         problems.append(f"after {expected['all_reduces']} steps the weights differ from "

@@ -9,12 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..flight_recorder import collectives_so_far
-from .core import Case, Exercise
-
-
-def _largest(tensor: torch.Tensor) -> float:
-    return tensor.abs().max().item()
-
+from .core import Case, Exercise, largest_abs
 
 # ---------------------------------------------------------------- 07.1 ZeRO-1
 
@@ -71,7 +66,7 @@ def _zero1_trial(fn, steps: int = 3, lr: float = 1e-2):
 
 
 def _zero1_judge(got, expected) -> str | None:
-    differences = [_largest(a - b) for a, b in zip(got["weights"], expected["weights"],
+    differences = [largest_abs(a - b) for a, b in zip(got["weights"], expected["weights"],
                                                    strict=True)]
     wrong = sum(d > 1e-6 for d in differences)
     if wrong:
@@ -178,7 +173,7 @@ def _tp_judge(got, expected) -> str | None:
         return f"expected an output of shape {tuple(expected['out'].shape)}, got {shape}"
     if not _close(out, expected["out"]):
         return (f"the output differs from the unsplit block's by up to "
-                f"{_largest(out - expected['out']):.3g}")
+                f"{largest_abs(out - expected['out']):.3g}")
     if got["forward"] != expected["forward"]:
         return (f"forward: expected one all_reduce of the [{BATCH}, {WIDTH}] output, got "
                 f"{got['forward'] or 'no collective'}")
@@ -197,7 +192,7 @@ def _tp_judge(got, expected) -> str | None:
             return "x got no gradient"
         if not _close(got["x"], expected["x"]):
             return ("the gradient of x differs from the unsplit block's by up to "
-                    f"{_largest(got['x'] - expected['x']):.3g}")
+                    f"{largest_abs(got['x'] - expected['x']):.3g}")
     if got["backward"] != expected["backward"]:
         return (f"backward: expected {expected['backward'] or 'no collective'}, got "
                 f"{got['backward'] or 'no collective'}")

@@ -96,6 +96,11 @@ class Report:
         return lines
 
 
+def largest_abs(tensor) -> float:
+    """The largest absolute entry of a tensor: how far apart two results are."""
+    return tensor.abs().max().item()
+
+
 def is_stub(fn: Callable) -> bool:
     """True while ``fn``'s body (its docstring aside) is only
     ``raise NotImplementedError(...)``: the stub as the chapter ships it."""
