@@ -14,6 +14,11 @@ def test_checkpointing_keeps_less_recomputes_and_gives_the_same_gradients():
     assert (steps["full"]["kept_bytes"] < steps["selective"]["kept_bytes"]
             < steps["none"]["kept_bytes"])
     assert [steps[m]["recomputed_convolutions"] for m in recompute.MODES] == [0, 2, 0]
+    # what each mode keeps, from the shapes: batch 8, 64 channels of 32 x 32
+    relu_output, pool_indices = 8 * 64 * 32 * 32 * 4, 8 * 64 * 16 * 16 * 8
+    kept = {mode: step["kept_bytes"] for mode, step in steps.items()}
+    assert kept["none"] - kept["full"] == 2 * relu_output + pool_indices
+    assert kept["none"] - kept["selective"] == pool_indices  # convolutions' outputs kept
 
 
 def test_activation_bytes_grow_with_the_batch_and_bad_modes_are_refused():

@@ -52,9 +52,11 @@ def feed_forward_blocks(width: int = 512, blocks: int = 4, seed: int = 0) -> nn.
 
 
 def formula(strategy: str, parameters: int, ranks: int) -> dict:
-    """Bytes per rank after a step, as the ZeRO paper counts them for float32 Adam:
+    """Bytes per rank after a step, the ZeRO paper's accounting applied to float32 Adam:
     4 bytes per parameter for the weights, 4 for the gradients, 8 for the two moments,
-    each divided by the number of ranks where the strategy shards it."""
+    each divided by the number of ranks where the strategy shards it. (The paper counts
+    mixed-precision Adam: 2 + 2 bytes of 16-bit weights and gradients, and 12 of float32
+    master weights and moments, which ZeRO-1 shards.)"""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     full = parameters * FLOAT_BYTES

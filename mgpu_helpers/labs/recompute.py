@@ -7,6 +7,12 @@ with the convolutional part run three ways: storing every activation autograd wa
 storing the convolutions' outputs and recomputing only the cheap ReLUs and pooling
 ("selective", through a checkpoint policy). It measures what autograd keeps from the
 forward pass to the backward pass, the gradients, and how many convolutions ran.
+
+What each mode keeps of the convolutional part, for a batch of 32: "none" the input
+images, both ReLUs' outputs (8 MiB each; ReLU's backward needs its output, and the next
+layer's input is the same tensor) and the pooling's int64 indices (4 MiB); "full" only
+the input; "selective" the input and both convolutions' outputs (the same 8 MiB each, in
+place of the ReLUs'), recomputing the ReLUs and the pooling, so it saves the indices.
 """
 
 from __future__ import annotations
@@ -54,8 +60,9 @@ def _features(model: SeedCNN, x: torch.Tensor) -> torch.Tensor:
 
 def checkpointed_step(mode: str, batch_size: int = 32, seed: int = 0) -> dict:
     """One forward and backward pass; see the module's docstring. Returns the peak bytes
-    autograd kept (the checkpointed region's input, which the checkpoint holds, is
-    added for "full" and "selective"), the gradients, and the convolutions run."""
+    autograd kept (the region's input, which the checkpoint keeps a reference to, counts
+    once, as in "none", where the first convolution saves it), the gradients, and the
+    convolutions run again in backward."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     torch.manual_seed(seed)
@@ -75,8 +82,7 @@ def checkpointed_step(mode: str, batch_size: int = 32, seed: int = 0) -> dict:
             x = checkpoint(features, images, use_reentrant=False, context_fn=contexts,
                            respect_saved_tensors_hooks=True)
         loss = F.cross_entropy(model.fc2(F.relu(model.fc1(x))), labels)
-    kept = meter.peak + (images.numel() * images.element_size() if mode != "none" else 0)
     with _ConvolutionCounter() as recomputed:
         loss.backward()
-    return {"kept_bytes": kept, "gradients": [p.grad for p in model.parameters()],
+    return {"kept_bytes": meter.peak, "gradients": [p.grad for p in model.parameters()],
             "recomputed_convolutions": recomputed.count}

@@ -5,9 +5,12 @@ Each rank stores a flat shard of the layer's weight and bias (padded so that N s
 are equal). The forward pass all-gathers the full parameters, computes, and lets them
 go; the backward pass all-gathers them again, computes the gradients, and
 reduce-scatters the parameter gradient, so each rank receives the averaged gradient of
-its own shard only. The optimizer then updates each rank's shard. Per step, each rank
-therefore sends two all-gathers and one reduce-scatter of the parameters: 3(N-1)/N of
-their bytes, against DDP's one all-reduce, 2(N-1)/N (FSDP's 1.5x).
+its own shard only. The optimizer then updates each rank's shard. Per step, each layer
+therefore runs two all-gathers and one reduce-scatter of its parameters: a volume of 3Ψ
+against DDP's one all-reduce, 2Ψ (FSDP's 1.5x), on a backend with a true reduce-scatter
+(NCCL). Gloo runs the single-tensor reduce-scatter as an all-reduce of the whole
+gradient, so there it is 4Ψ. :func:`train_sharded_and_ddp` reads what ran from the
+flight recorder.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from ..flight_recorder import collectives_so_far
+from .memory import collectives_volume
 
 # the single-tensor collectives, under the names this PyTorch has (recent releases renamed
 # all_gather_into_tensor and reduce_scatter_tensor)
@@ -42,15 +48,12 @@ class _ShardedLinearFunction(torch.autograd.Function):
         full_gradient = layer.flatten(rows.T @ inputs, rows.sum(0))
         gradient = torch.empty_like(shard)
         REDUCE_SCATTER(gradient, full_gradient, op=dist.ReduceOp.SUM)
-        layer.sent_bytes += layer.ring_bytes()  # a reduce-scatter: (N-1) shards
         return grad_output @ weight, gradient / dist.get_world_size(), None
 
 
 class ShardedLinear(nn.Module):
     """``nn.Linear`` with ZeRO-3 sharding inside a process group: this rank keeps
-    ``shard``, 1/N of the flattened weight and bias. ``sent_bytes`` counts the bytes this
-    rank sends in its collectives, as rings send them (chapter 03): (N-1) shards per
-    all-gather and per reduce-scatter."""
+    ``shard``, 1/N of the flattened weight and bias (padded so that N shards are equal)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -61,7 +64,6 @@ class ShardedLinear(nn.Module):
         flat = self.flatten(linear.weight.detach(), linear.bias.detach())
         flat = F.pad(flat, (0, shard_size * world - self.numel))
         self.shard = nn.Parameter(flat[rank * shard_size:(rank + 1) * shard_size].clone())
-        self.sent_bytes = 0
 
     def flatten(self, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         flat = torch.cat([weight.flatten(), bias])
@@ -76,11 +78,7 @@ class ShardedLinear(nn.Module):
     def gather(self, shard: torch.Tensor) -> torch.Tensor:
         full = shard.new_empty(shard.numel() * dist.get_world_size())
         ALL_GATHER(full, shard.detach())
-        self.sent_bytes += self.ring_bytes()  # an all-gather: (N-1) shards
         return full
-
-    def ring_bytes(self) -> int:
-        return self.shard.numel() * self.shard.element_size() * (dist.get_world_size() - 1)
 
     def full_parameters(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The full weight and bias (an all-gather), for checks."""
@@ -106,34 +104,24 @@ def train_sharded_and_ddp(steps: int = 3, lr: float = 1e-2) -> dict:
     """Inside a rank: the same small MLP trained ``steps`` Adam steps on this rank's
     batches twice, as ZeRO-3 (:class:`ShardedLinear` layers) and under DDP. Returns both
     models' full parameters, the bytes each stores on this rank (parameters, gradients,
-    Adam's moments) and the bytes this rank sent in the last step, counted as a ring
-    sends them."""
+    Adam's moments), the parameter count Ψ and the collectives of the last step as the
+    flight recorder saw them (per kind: calls, and volume in elements as
+    :func:`~mgpu_helpers.labs.memory.collectives_volume` counts it)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     sharded = nn.Sequential(*(ShardedLinear(m) if isinstance(m, nn.Linear) else m
                               for m in _mlp()))
     ddp = DDP(_mlp())
-    sent = {"ZeRO-3": 0, "DDP": 0}
-
-    def counting_allreduce(_, bucket):  # DDP's default hook, counting ring bytes
-        world = dist.get_world_size()
-        sent["DDP"] += 2 * (world - 1) * bucket.buffer().numel() * 4 // world
-        work = dist.all_reduce(bucket.buffer().div_(dist.get_world_size()), async_op=True)
-        return work.get_future().then(lambda future: future.value()[0])
-
-    ddp.register_comm_hook(None, counting_allreduce)
     results = {}
     for name, model in (("ZeRO-3", sharded), ("DDP", ddp)):
         optimizer = torch.optim.Adam(model.parameters(), lr=lr)
         for step in range(steps):
             x, y = _batch(step, dist.get_rank())
-            before = (sum(m.sent_bytes for m in model if isinstance(m, ShardedLinear))
-                      if name == "ZeRO-3" else sent["DDP"])
+            before = len(collectives_so_far())
             optimizer.zero_grad()
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
-        after = (sum(m.sent_bytes for m in model if isinstance(m, ShardedLinear))
-                 if name == "ZeRO-3" else sent["DDP"])
+        last_step = collectives_volume(collectives_so_far()[before:])
         params = list(model.parameters())
         stored = {"parameters": sum(p.numel() * p.element_size() for p in params),
                   "gradients": sum(p.grad.numel() * p.grad.element_size() for p in params),
@@ -144,5 +132,6 @@ def train_sharded_and_ddp(steps: int = 3, lr: float = 1e-2) -> dict:
             full = [t for m in model if isinstance(m, ShardedLinear) for t in m.full_parameters()]
         else:
             full = [p.detach().clone() for p in model.module.parameters()]
-        results[name] = {"weights": full, "stored": stored, "sent_last_step": after - before}
+        results[name] = {"weights": full, "stored": stored, "collectives": last_step,
+                         "parameter count": sum(p.numel() for p in full)}
     return results
