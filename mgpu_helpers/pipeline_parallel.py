@@ -396,6 +396,19 @@ def _post_receives(shapes: Sequence, dtype: torch.dtype, src: int, tag: int = 0)
     return [(buffer, dist.irecv(buffer, src, tag=tag)) for buffer in buffers]
 
 
+def _require_cpu(stages: Sequence[nn.Module], step: str) -> None:
+    """The from-scratch steps are CPU code over gloo: their receive buffers are CPU
+    tensors, and the interleaved step tells messages apart by tag, which NCCL does not
+    match on. A stage on a GPU gets an error that says what to use instead."""
+    for stage in stages:
+        for name, parameter in stage.named_parameters():
+            if parameter.device.type != "cpu":
+                raise ValueError(
+                    f"{step} runs stages on the CPU over gloo, but parameter {name!r} is on "
+                    f"{parameter.device}; for GPU stages use torch.distributed.pipelining "
+                    "(PipelineStage with a schedule such as ScheduleGPipe or Schedule1F1B)")
+
+
 # ------------------------------------------------------------------- the step
 
 
@@ -415,8 +428,9 @@ def gpipe_step(stage: nn.Module, micro_batches: int, inputs: torch.Tensor | None
     With ``overlap`` (the default) sends are non-blocking, so a stage goes on computing
     while its output travels, and receives are posted ahead. Without it every transfer
     blocks both sides until it is done: what a pipeline loses when communication does
-    not overlap with computation.
+    not overlap with computation. CPU stages only (gloo; see :func:`_require_cpu`).
     """
+    _require_cpu([stage], "gpipe_step")
     rank, world = dist.get_rank(), dist.get_world_size()
     first, last = rank == 0, rank == world - 1
     if first:
@@ -539,8 +553,10 @@ def interleaved_1f1b_step(stages: Sequence[nn.Module], micro_batches: int,
     every receive is posted ahead, so a rank waits only for data it needs now; the
     ``timeline`` records the computation of each piece (``virtual_stage``), not the waits.
     Messages between two ranks are told apart by tag: three per cut between pieces p
-    and p + 1 (the activation's shape, the activations, their gradients).
+    and p + 1 (the activation's shape, the activations, their gradients). CPU stages
+    only (gloo; see :func:`_require_cpu`).
     """
+    _require_cpu(stages, "interleaved_1f1b_step")
     rank, world = dist.get_rank(), dist.get_world_size()
     chunks = len(stages)
     if chunks > 1 and world < 2:

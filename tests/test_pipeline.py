@@ -276,3 +276,12 @@ def test_interleaving_needs_two_stages_per_rank():
 
     with pytest.raises(LaunchError, match="schedule must be one of"):
         launch(unknown_schedule, nprocs=1, backend="gloo")
+
+
+@pytest.mark.parametrize("step", ["gpipe_step", "interleaved_1f1b_step"])
+def test_the_from_scratch_steps_refuse_a_stage_that_is_not_on_the_cpu(step):
+    stage = mlp().to("meta")  # stands in for a GPU stage: any device but the CPU
+    run = getattr(pp, step)
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is on meta; for GPU stages "
+                                         r"use torch.distributed.pipelining"):
+        run(stage if step == "gpipe_step" else [stage], 2, *batch())
