@@ -1,8 +1,9 @@
 """This rank's flight recorder, read in the process: the collectives it has run.
 
-Every process group keeps a ring buffer of its last collectives (2,000 by default,
-``TORCH_FR_BUFFER_SIZE``), gloo's included; chapter 09 shows it. Each entry is a dict
-with, among others, ``profiling_name`` ("gloo:all_reduce"), ``input_sizes``,
+Each process keeps one ring buffer of the last collectives of all its process groups,
+gloo's included (2,000 entries by default in the pinned PyTorch, ``TORCH_FR_BUFFER_SIZE``;
+older releases default to 0, off); chapter 09 shows it. Each entry is a dict with, among
+others, ``pg_id`` (its group), ``profiling_name`` ("gloo:all_reduce"), ``input_sizes``,
 ``output_sizes``, ``input_dtypes`` and ``is_p2p``. Counting what a piece of code ran:
 ``before = len(collectives_so_far())``, run it, then ``collectives_so_far()[before:]``
 (valid while fewer entries than the buffer holds have been recorded).
