@@ -152,7 +152,7 @@ def train_digits(run: DigitsRun) -> dict:
     device = rank_device()
     batches = batch_plan(run, world_size())
 
-    torch.manual_seed(run.seed)  # the same initial weights on every rank (DDP checks)
+    torch.manual_seed(run.seed)  # equal initial weights (DDP checks shapes, broadcasts rank 0's)
     model = SeedCNN().to(device)
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.Adam(ddp_model.parameters(), lr=batches.lr)

@@ -32,6 +32,29 @@ def test_a_smaller_bucket_cap_gives_more_buckets_and_no_exchange_takes_no_time()
         b["bytes"] for b in default["buckets"])
 
 
+def test_find_unused_parameters_splits_the_buckets_from_the_start_and_keeps_them():
+    records = launch(ddp_internals.backward_timeline, 2, 4, None, True, True, nprocs=2,
+                     backend="gloo")
+    layouts = [[sorted(b["parameters"]) for b in record["buckets"]] for record in records]
+    assert layouts[0] == layouts[1] == [
+        ["fc1.bias", "fc2.bias", "fc2.weight"],
+        ["conv1.bias", "conv1.weight", "conv2.bias", "conv2.weight", "fc1.weight"]]
+    # the default rebuilds after step 1: the same model, other buckets
+    default = launch(ddp_internals.backward_timeline, 2, 4, nprocs=2, backend="gloo")
+    assert len(default[0]["buckets"]) == 1
+    assert [sorted(b["parameters"]) for b in default[1]["buckets"]] != layouts[1]
+
+
+def test_counted_all_reduces_counts_and_restores():
+    import torch.distributed as dist
+
+    real = dist.all_reduce
+    with pytest.raises(ZeroDivisionError), ddp_internals.counted_all_reduces([]):
+        assert dist.all_reduce is not real
+        raise ZeroDivisionError
+    assert dist.all_reduce is real
+
+
 def test_join_lets_uneven_ranks_finish_with_one_process_arithmetic():
     ranks = launch(ddp_internals.uneven_steps, [3, 1], True, nprocs=2, backend="gloo",
                    return_all=True)
@@ -41,6 +64,9 @@ def test_join_lets_uneven_ranks_finish_with_one_process_arithmetic():
     # the check can fail: dividing by the ranks still training is another result
     even = ddp_internals.uneven_reference([3, 3])
     assert (ranks[0]["weights"] - even).abs().max() > 1e-4
+    # Join's cost: two one-number all-reduces in every forward pass (no buffers here)
+    assert [len(r["forward_all_reduces"]) for r in ranks] == [3, 1]
+    assert all(sizes == [1, 1] for r in ranks for sizes in r["forward_all_reduces"])
 
 
 @pytest.mark.slow
@@ -81,3 +107,19 @@ def test_clipping_once_after_no_sync_accumulation_is_the_big_batch_step():
     assert (once[0]["weights"] - reference["weights"]).abs().max() < 1e-5
     assert once[0]["norm"] == pytest.approx(reference["norm"], rel=1e-5)
     assert (each[0]["weights"] - reference["weights"]).abs().max() > 1e-3
+
+
+def test_changed_after_wrapping_added_is_unsynchronised_reinitialised_is_not_broadcast():
+    ranks = launch(ddp_internals.changed_after_wrapping, nprocs=2, backend="gloo",
+                   return_all=True)
+    head0, head1 = ranks[0]["head"], ranks[1]["head"]
+    assert torch.equal(head0["before"], head1["before"])
+    assert not torch.equal(head0["grad"], head1["grad"])
+    first0, first1 = ranks[0]["first"], ranks[1]["first"]
+    assert torch.equal(first0["grad"], first1["grad"])
+    gap_before = first0["before"] - first1["before"]
+    assert gap_before.abs().min() > 0
+    assert (first0["after"] - first1["after"] - gap_before).abs().max() < 1e-6
+    # one plain process runs it too
+    alone = ddp_internals.changed_after_wrapping()
+    assert alone["first"]["grad"].shape == first0["grad"].shape

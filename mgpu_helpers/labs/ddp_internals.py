@@ -5,9 +5,12 @@
   them); :func:`plot_timeline` draws one step.
 * :func:`uneven_steps`: ranks that run different numbers of steps, with or without
   ``torch.distributed.algorithms.Join``; :func:`uneven_reference` is what one process
-  computes for the same batches.
+  computes for the same batches; :func:`counted_all_reduces` counts the small
+  all-reduces Join adds to each forward pass.
 * :func:`amp_clipped_step` and :func:`accumulate_and_clip`: gradient clipping under DDP,
   with a float16 ``GradScaler`` and with ``no_sync`` accumulation, right and wrong.
+* :func:`changed_after_wrapping`: what ``DDP(model)`` does not cover: a parameter added
+  after wrapping, and one re-initialised in place after wrapping.
 
 Every function that runs inside ranks also runs in one plain process (world size 1,
 no DDP), which is how the chapter computes its references.
@@ -16,7 +19,7 @@ no DDP), which is how the chapter computes its references.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -26,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..models import SeedCNN
 from ..ranks import device, rank, world_size
+from .native_stderr import native_stderr_silenced
 
 
 def _in_group() -> bool:
@@ -46,7 +50,8 @@ def _wrap(module: nn.Module, **ddp_options) -> nn.Module:
 
 
 def backward_timeline(steps: int = 4, batch_size: int = 32,
-                      bucket_cap_mb: float | None = None, exchange: bool = True) -> list[dict]:
+                      bucket_cap_mb: float | None = None, exchange: bool = True,
+                      find_unused_parameters: bool = False) -> list[dict]:
     """Inside a rank: ``steps`` training steps of the seed CNN under DDP, each timed from
     the call of ``loss.backward()`` (time 0) to its return.
 
@@ -58,6 +63,9 @@ def backward_timeline(steps: int = 4, batch_size: int = 32,
     end is when the all-reduce's future completed, which for NCCL is not the kernel's
     end: the chapter measures on CPU ranks. ``exchange=False`` skips the all-reduce
     (each rank keeps its own gradients): the backward pass without communication.
+    ``find_unused_parameters=True`` passes that option to DDP (which then keeps the
+    buckets it starts with); PyTorch's C++ warning that no parameter went unused, printed
+    to stderr with a timestamp, is silenced.
     """
     here = device()
     torch.manual_seed(0)
@@ -69,7 +77,8 @@ def backward_timeline(steps: int = 4, batch_size: int = 32,
     for name, parameter in module.named_parameters():  # registered before DDP's hooks
         parameter.register_post_accumulate_grad_hook(
             lambda _, name=name: ready.__setitem__(name, clock()))
-    model = _wrap(module, bucket_cap_mb=bucket_cap_mb)
+    model = _wrap(module, bucket_cap_mb=bucket_cap_mb,
+                  find_unused_parameters=find_unused_parameters)
 
     def timed_allreduce(_, bucket):
         buffer = bucket.buffer()
@@ -96,20 +105,21 @@ def backward_timeline(steps: int = 4, batch_size: int = 32,
     images = torch.randn(batch_size, 3, 32, 32, generator=generator).to(here)
     labels = torch.randint(0, 10, (batch_size,), generator=generator).to(here)
     records = []
-    for _ in range(steps):
-        ready.clear()
-        buckets.clear()
-        model.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(images), labels)
-        start = clock()
-        loss.backward()
-        returned = clock()
-        records.append({
-            "backward_s": returned - start,
-            "ready": {name: t - start for name, t in ready.items()},
-            "buckets": [{**b, "start": b["start"] - start, "end": b["end"] - start}
-                        for b in buckets],
-        })
+    with native_stderr_silenced() if find_unused_parameters else nullcontext():
+        for _ in range(steps):
+            ready.clear()
+            buckets.clear()
+            model.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(images), labels)
+            start = clock()
+            loss.backward()
+            returned = clock()
+            records.append({
+                "backward_s": returned - start,
+                "ready": {name: t - start for name, t in ready.items()},
+                "buckets": [{**b, "start": b["start"] - start, "end": b["end"] - start}
+                            for b in buckets],
+            })
     return records
 
 
@@ -161,26 +171,52 @@ def uneven_batch(rank_index: int, step: int, size: int = 4) -> tuple:
             torch.randint(0, 4, (size,), generator=generator))
 
 
+@contextmanager
+def counted_all_reduces(sizes: list):
+    """Within the block, every ``torch.distributed.all_reduce`` call made in this process
+    (by DDP's and Join's Python code too) appends its tensor's number of elements to
+    ``sizes``. DDP's bucket all-reduces are issued from C++ and are not counted."""
+    real_all_reduce = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        sizes.append(tensor.numel())
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        yield sizes
+    finally:
+        dist.all_reduce = real_all_reduce
+
+
 def uneven_steps(steps_per_rank: list[int], use_join: bool, lr: float = 0.1) -> dict:
     """Inside a rank: SGD steps of a small model under DDP, rank r running
     ``steps_per_rank[r]`` steps (as when ranks get different numbers of batches), then a
     ``dist.barrier()`` (as before saving a checkpoint). Without Join, a rank that runs
-    out of batches waits in the barrier while another waits in its all-reduce: neither
-    returns until the group's timeout. With ``Join([model])`` a finished rank takes part
-    in the others' all-reduces with zero gradients, and the replicas end equal."""
+    out of batches waits in the barrier while another waits in its all-reduce: on gloo,
+    neither returns until the group's timeout (with NCCL the barrier, itself an
+    all-reduce, may pair with the bucket's). With ``Join([model])`` a finished rank takes part
+    in the others' all-reduces with zero gradients, and the replicas end equal.
+    ``forward_all_reduces`` lists, per forward pass, the sizes of the all-reduces it
+    sent (Join's, none without it)."""
     from torch.distributed.algorithms import Join
 
     model = _wrap(_tiny_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    forward_all_reduces = []
     with Join([model]) if use_join else nullcontext():
         for step in range(steps_per_rank[rank()]):
             images, labels = uneven_batch(rank(), step)
             optimizer.zero_grad()
-            F.cross_entropy(model(images), labels).backward()
+            with counted_all_reduces([]) as sizes:
+                output = model(images)
+            forward_all_reduces.append(sizes)
+            F.cross_entropy(output, labels).backward()
             optimizer.step()
     dist.barrier()
     return {"rank": rank(), "weights": torch.cat([p.detach().flatten()
-                                                  for p in model.parameters()])}
+                                                  for p in model.parameters()]),
+            "forward_all_reduces": forward_all_reduces}
 
 
 def uneven_reference(steps_per_rank: list[int], lr: float = 0.1) -> torch.Tensor:
@@ -283,3 +319,32 @@ def accumulate_and_clip(micro_batches: int, clip_each_micro_batch: bool = False,
             norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
     optimizer.step()
     return {"norm": norm, "weights": _flat(model)}
+
+
+# ------------------------------------------------------------------ changed after wrapping
+
+
+def changed_after_wrapping(lr: float = 0.1) -> dict:
+    """Inside a rank: a small model wrapped in DDP, then changed in two ways: a new head
+    appended after ``DDP(...)`` (created from the same seed on every rank, so it starts
+    equal), and the first layer re-initialised in place with a different seed per rank.
+    Then one SGD step on this rank's own batch.
+
+    Returns each layer's gradient and its weights before and after the step. The new head
+    is not registered with DDP's reducer: its gradient stays this rank's own. The first
+    layer is still registered: its gradient is averaged, but its values, different per
+    rank since the re-initialisation, are never broadcast again."""
+    model = _wrap(_tiny_model())
+    net = model.module if isinstance(model, DDP) else model
+    torch.manual_seed(0)
+    net.append(nn.Linear(4, 4))            # a new head, after wrapping
+    torch.manual_seed(rank())
+    net[0].reset_parameters()              # in place, a different initialisation per rank
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr)
+    before = {"head": net[-1].weight.detach().clone(), "first": net[0].weight.detach().clone()}
+    images, labels = uneven_batch(rank(), 0)
+    F.cross_entropy(model(images), labels).backward()
+    optimizer.step()
+    return {name: {"before": before[name], "grad": layer.weight.grad.clone(),
+                   "after": layer.weight.detach().clone()}
+            for name, layer in (("head", net[-1]), ("first", net[0]))}

@@ -22,10 +22,7 @@ Activation checkpointing (each layer recomputed in backward) can be switched on 
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import sys
 
 import torch
 import torch.distributed as dist
@@ -34,6 +31,7 @@ from torch import nn
 
 from ..flight_recorder import collectives_so_far
 from ..ranks import rank, world_size
+from .native_stderr import native_stderr_silenced
 
 STRATEGIES = ("DDP", "DDP, bucket views", "ZeRO-1", "FSDP2, keep after forward", "FSDP2")
 FLOAT_BYTES = 4
@@ -120,22 +118,6 @@ def _wrap(strategy: str, model: nn.Sequential, checkpointing: bool):
     return wrapped, optimizer
 
 
-@contextlib.contextmanager
-def _native_logs_silenced():
-    """The profiler's C++ side logs its start and stop to stderr with a timestamp;
-    this sends file descriptor 2 to /dev/null meanwhile (Python's own errors still
-    surface as exceptions)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "w") as devnull:
-        os.dup2(devnull.fileno(), 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
 PHASES = ("forward", "backward", "optimizer step")
 
 
@@ -211,7 +193,7 @@ def rank_memory(strategy: str, checkpointing: bool = False, steps: int = 3,
     for x in batches[:-1]:
         step(x)
     recorded = len(collectives_so_far())
-    with _native_logs_silenced():
+    with native_stderr_silenced():  # the profiler logs start and stop
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recording:
             step(batches[-1])
     extra = _extra_at_peak(recording)
