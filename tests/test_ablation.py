@@ -37,7 +37,7 @@ def test_the_control_runs_half_a_round_after_the_baseline():
 def test_the_tuned_run_keeps_ddp_default_buckets_and_the_variant_uses_one_big_one():
     assert ablation.TUNED.bucket_cap_mb == 25 == TrainingOptions().bucket_cap_mb
     big = ablation.variants()["without overlap (one 100 MB bucket)"]
-    # larger than all the seed CNN's gradients (33.7 MB): a single bucket
+    # larger than all the seed CNN's gradients (32.2 MiB): a single bucket
     assert big.bucket_cap_mb * 2**20 > 8_432_970 * 4
 
 
@@ -153,6 +153,16 @@ def test_the_rule_rarely_calls_a_variant_that_changes_nothing_a_win_and_less_wit
     assert ablation.false_verdict_rate(2, trials=500) == ablation.false_verdict_rate(2, 500)
 
 
+def test_more_variants_that_change_nothing_make_some_false_verdict_likelier():
+    one = ablation.false_verdict_rate(3, trials=5_000)
+    assert ablation.false_verdict_rate(3, trials=5_000, variants=1) == one  # the same draws
+    eight = ablation.false_verdict_rate(3, trials=5_000, variants=8)
+    assert eight > 2 * one  # some of 8 gets a verdict far more often than one given one
+    assert eight < 1 - (1 - one) ** 8 + 0.02  # no more than independent variants would
+    with pytest.raises(ValueError):
+        ablation.false_verdict_rate(3, variants=0)
+
+
 # --- measure's plumbing, with a fake launcher -----------------------------------------
 
 def test_measure_interleaves_rounds_and_maps_every_rate_back(monkeypatch):
@@ -222,6 +232,62 @@ def test_ddp_default_buckets_split_fc_from_conv_and_100_mb_makes_one_bucket():
         ["conv2.weight", "conv2.bias", "conv1.weight", "conv1.bias"]]
     assert len(big) == 1 and len(big[0]["parameters"]) == 8
     assert big[0]["megabytes"] == pytest.approx(sum(b["megabytes"] for b in tuned))
+    # DDP never splits a tensor: fc1.weight alone (32 MiB) is over the 25 MiB cap
+    assert tuned[0]["mib"] > 25 and big[0]["mib"] == pytest.approx(8_432_970 * 4 / 2**20)
+    assert all(b["mib"] * 2**20 == pytest.approx(b["megabytes"] * 1e6) for b in big + tuned)
+
+
+# --- the loader is started before the clock -------------------------------------------
+
+def test_timed_epoch_iterates_the_iterator_it_started_before_the_clock():
+    import torch
+    from torch.utils.data import DataLoader
+
+    from mgpu_helpers.labs.throughput import _StartedLoader
+
+    loader = DataLoader(list(range(10)), batch_size=4, num_workers=1,
+                        persistent_workers=True)
+    started = _StartedLoader(loader)
+    iterator = loader._iterator  # the persistent workers' iterator, created just now
+    assert iterator is not None and iter(started) is iterator and len(started) == 3
+    assert [batch.tolist() for batch in started] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert loader._iterator is iterator  # never reset: no second iter(loader)
+    assert torch.equal(next(iter(loader)), torch.arange(4))  # (the loader still works)
+
+
+# --- the profile's phases ------------------------------------------------------------
+
+class FakeEvent:
+    """What profile_phases reads of a profiler's averaged event."""
+
+    def __init__(self, key, cpu_us=0.0, device_us=0.0):
+        self.key, self.cpu_time_total, self.device_time_total = key, cpu_us, device_us
+
+
+EVENTS = [FakeEvent("forward", 4_000), FakeEvent("backward", 10_000),
+          FakeEvent("data", 2_000), FakeEvent("optimizer", 1_000),
+          FakeEvent("gloo:all_reduce", 6_000),
+          FakeEvent("nccl:all_reduce", 300, 0),  # the CPU's enqueueing only
+          FakeEvent("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage)",
+                    20, 1_500),
+          FakeEvent("ncclKernel_AllReduce_RING_LL_Sum_float(ncclWorkElem)", 10, 500),
+          FakeEvent("aten::mm", 9_000, 7_000),  # not a phase, not communication
+          FakeEvent("backward_extra", 5_000)]
+
+
+def test_profile_phases_on_cpu_count_gloo_work_in_cpu_time():
+    phases = ablation.profile_phases(EVENTS, steps=2, on_gpu=False)
+    assert phases == {"data": 1.0, "forward": 2.0, "backward": 5.0, "optimizer": 0.5,
+                      "all-reduce": 3.0}
+
+
+def test_profile_phases_on_gpu_count_nccl_kernels_in_device_time():
+    phases = ablation.profile_phases(EVENTS, steps=2, on_gpu=True)
+    assert phases["all-reduce"] == 1.0  # (1,500 + 500) us of kernels over 2 steps
+    assert phases["backward"] == 5.0  # the labels are CPU time on either
+    assert ablation.profile_phases(EVENTS[:5], steps=1, on_gpu=True)["all-reduce"] == 0
+    with pytest.raises(ValueError):
+        ablation.profile_phases(EVENTS, steps=0, on_gpu=False)
 
 
 # --- the plot -------------------------------------------------------------------------

@@ -66,6 +66,13 @@ def test_ddp_around_torch_nn_sequential_is_not_compiled_at_all():
     assert launch(compiled_ddp.sequential_graph_count, nprocs=2, backend="gloo") == 0
 
 
+@pytest.mark.slow
+def test_explain_finds_no_graph_in_a_sequential_unless_it_has_hooks():
+    counts = launch(compiled_ddp.explained_graph_counts, nprocs=2, backend="gloo")
+    assert counts["nn.Sequential"] == 0
+    assert counts["BiasFreeMLP"] > 0 and counts["nn.Sequential with a hook"] > 0
+
+
 def test_started_during_backward_counts_all_reduces_with_a_backward_after_them():
     layer = [[f"layers.{k}.weight"] for k in range(3)]
     events = [("backward", layer[2]), ("all-reduce", layer[2]), ("backward", layer[1]),

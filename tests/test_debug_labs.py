@@ -37,6 +37,14 @@ def test_monitored_barrier_names_the_missing_rank():
             == "all ranks passed the barrier")
 
 
+def test_monitored_barrier_waiting_for_all_ranks_names_every_missing_one():
+    with pytest.raises(LaunchError, match="Ranks 1, 2 failed to pass monitoredBarrier in "
+                                          "1000 ms") as caught:
+        launch(labs.lab_monitored_barrier, False, 1.0, True, **(BOUND | {"nprocs": 3}))
+    assert (labs.failure_summary(str(caught.value))
+            == "RuntimeError: Ranks 1, 2 failed to pass monitoredBarrier in 1000 ms")
+
+
 def test_mismatched_shapes_crash_and_detail_debugging_names_them(capsys):
     with pytest.raises(LaunchError, match="rank 0:? killed by signal SIGABRT") as caught:
         launch(labs.lab_mismatched_shapes, **BOUND)
@@ -133,7 +141,16 @@ def test_unused_parameter_fails_under_ddp_until_found_or_removed():
     head = labs.TwoHeads().unused_head
     head_bytes = sum(p.numel() * p.element_size() for p in head.parameters())
     assert searched.found_unused_bytes == head_bytes and removed.found_unused_bytes == 0
+    # measured in the last step: the unused head's zero gradients are all-reduced too ...
     assert searched.reduced_bytes == removed.reduced_bytes + head_bytes
+    assert searched.reduced_parameters == sorted(
+        name for name, _ in labs.TwoHeads().named_parameters())
+    assert searched.zero_gradients == ["unused_head.bias", "unused_head.weight"]
+    assert removed.zero_gradients == [] and len(removed.reduced_parameters) == 4
+    # ... and a second all-reduce per step: which of the 6 parameters each rank used
+    assert searched.step_collectives == [("gloo:all_reduce", searched.reduced_bytes // 4),
+                                         ("gloo:all_reduce", 6)]
+    assert removed.step_collectives == [("gloo:all_reduce", removed.reduced_bytes // 4)]
     assert removed.buckets_rebuilt and not searched.buckets_rebuilt
     assert searched.trained.keys() == removed.trained.keys() == {
         "body.weight", "body.bias", "head.weight", "head.bias"}
@@ -141,6 +158,13 @@ def test_unused_parameter_fails_under_ddp_until_found_or_removed():
                for name in removed.trained)
     with pytest.raises(LaunchError, match="fix must be None, 'find_unused' or 'remove'"):
         launch(labs.lab_unused_parameter, "ignore", **BOUND)
+
+
+def test_the_flight_recorder_is_one_per_process_for_all_its_groups():
+    for entries in launch(labs.lab_one_recorder_per_process, return_all=True, **BOUND):
+        assert [(e["pg_id"], e["seq"], e["name"]) for e in entries] == [
+            (0, 1, "gloo:all_reduce"), (1, 1, "gloo:all_reduce")]
+        assert all(e["called_here"] for e in entries)
 
 
 def test_rank_dependent_initialisation_is_detected_and_fixed():

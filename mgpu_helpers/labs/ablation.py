@@ -25,6 +25,15 @@ How a shared, drifting machine is kept from deciding the verdicts:
   by more than the A/A control ever differed from itself), "costs" when it is above the
   band in every round, and "within noise" otherwise: inside the band in some round, or
   on different sides in different rounds.
+
+What "without gradient accumulation" compares: every variant keeps the micro-batch
+(``batch_size`` per rank and forward pass), so "all on", which accumulates 4
+micro-batches per optimizer step, trains with a 4 times larger global batch and takes a
+quarter of the optimizer steps (and gradient all-reduces) per epoch. Its verdict measures
+fewer steps per sample, not a free speed-up; at a fixed global batch, accumulation is a
+memory workaround (and a changed global batch needs its learning rate tuned again).
+
+:func:`profile_phases` reads chapter 08's ``torch.profiler`` record of a few steps.
 """
 
 from __future__ import annotations
@@ -40,10 +49,11 @@ from ..launcher import launch
 from .throughput import TrainingOptions, timed_epoch
 
 # The tuned configuration: every optimisation on. bucket_cap_mb=25 is DDP's default bucket
-# size: the seed CNN's gradients fall into two buckets (fc layers' 33.6 MB first, then the
-# convolutions'), so the fc bucket's all-reduce overlaps the convolutions' backward.
-# (Passed explicitly, 25 also caps DDP's first bucket, which is 1 MB by default; for this
-# model both give the same two buckets.)
+# size (in MiB, despite the name): the seed CNN's gradients fall into two buckets (the fc
+# layers' 32.0 MiB first, then the convolutions' 0.15 MiB), so the fc bucket's all-reduce
+# overlaps the convolutions' backward. DDP never splits a tensor: fc1.weight alone is
+# 32 MiB, over the cap, and closes the first bucket. (Passed explicitly, 25 also caps DDP's
+# first bucket, which is 1 MiB by default; for this model both give the same two buckets.)
 TUNED = TrainingOptions(workers=1, pin_memory=True, amp="auto", channels_last=True,
                         bucket_cap_mb=25, gradient_as_bucket_view=True, static_graph=True,
                         accumulate=4)
@@ -60,9 +70,9 @@ SWITCHED_OFF = {
                       "exactly like all on (a second A/A control)"),
     "mixed precision": ({"amp": None},
                         "pays on GPUs with tensor cores (bf16, or fp16 with a scaler on "
-                        "older GPUs); on CPUs it depends on native bf16 instructions "
-                        "(AVX512-BF16, AMX): without them the conversions cost more than "
-                        "they save"),
+                        "older GPUs); on a CPU it can pay where the CPU has native bf16 "
+                        "instructions (the flags avx512_bf16 or amx_bf16 in /proc/cpuinfo); "
+                        "without them the conversions can cost more than they save"),
     "channels_last": ({"channels_last": False},
                       "pays mostly on GPUs (tensor cores want NHWC); on CPUs it depends on "
                       "the convolution kernels"),
@@ -153,24 +163,28 @@ def judge(runs: dict[str, list[float]]) -> tuple[float, list[dict]]:
     return h, rows
 
 
-def false_verdict_rate(rounds: int, trials: int = 20_000, seed: int = 0) -> float:
-    """How often :func:`verdict` calls a variant that changes nothing "pays" or "costs".
+def false_verdict_rate(rounds: int, trials: int = 20_000, seed: int = 0,
+                       variants: int = 1) -> float:
+    """How often :func:`verdict` calls a variant that changes nothing "pays" or "costs";
+    with ``variants`` > 1, how often at least one of that many such variants, judged
+    against the same band, gets a verdict (the multiple-comparison effect).
 
-    Simulated: in every round the baseline, the control and the variant share one drift
+    Simulated: in every round the baseline, the control and the variants share one drift
     factor and each gets its own independent log-normal noise. Both cancel out of the
     rule's scale (the band and the ratios are ratios), so the rate depends on the number
-    of rounds only, not on how noisy the machine is.
+    of rounds (and variants) only, not on how noisy the machine is.
     """
-    if rounds < 2 or trials < 1:
-        raise ValueError("need rounds >= 2 and trials >= 1")
+    if rounds < 2 or trials < 1 or variants < 1:
+        raise ValueError("need rounds >= 2, trials >= 1 and variants >= 1")
     rng = random.Random(seed)
     false = 0
     for _ in range(trials):
         drift = [math.exp(rng.gauss(0, 0.2)) for _ in range(rounds)]
-        baseline, control, variant = ([d * math.exp(rng.gauss(0, 0.05)) for d in drift]
-                                      for _ in range(3))
+        baseline, control, *nulls = ([d * math.exp(rng.gauss(0, 0.05)) for d in drift]
+                                     for _ in range(2 + variants))
         h = noise_band(baseline, control)
-        false += verdict(round_ratios(variant, baseline, control), h) != "within noise"
+        false += any(verdict(round_ratios(variant, baseline, control), h) != "within noise"
+                     for variant in nulls)
     return false / trials
 
 
@@ -266,7 +280,8 @@ def plot(result: dict, ax=None):
 def bucket_layouts(caps: list[int | None], steps: int = 3) -> list[list[dict]]:
     """Inside a rank: for each ``bucket_cap_mb`` in ``caps`` (None: DDP's own default),
     the seed CNN's gradient buckets in the order backward hands them to the all-reduce,
-    as ``{"parameters": [names], "megabytes": size}``.
+    as ``{"parameters": [names], "mib": size in MiB (2**20 bytes, the unit of
+    bucket_cap_mb), "megabytes": size in MB (10**6 bytes)}``.
 
     Read by a communication hook in step ``steps`` (default: the 3rd): with
     ``static_graph`` (as in :data:`TUNED`) DDP rebuilds its buckets after two steps, in
@@ -289,8 +304,9 @@ def bucket_layouts(caps: list[int | None], steps: int = 3) -> list[list[dict]]:
 
         def record(state, bucket, seen=seen, names=names):
             buffer = bucket.buffer()
+            size = buffer.numel() * buffer.element_size()
             seen.append({"parameters": [names[id(p)] for p in bucket.parameters()],
-                         "megabytes": buffer.numel() * buffer.element_size() / 1e6})
+                         "mib": size / 2**20, "megabytes": size / 1e6})
             return default_hooks.allreduce_hook(state, bucket)
 
         model.register_comm_hook(None, record)
@@ -299,3 +315,39 @@ def bucket_layouts(caps: list[int | None], steps: int = 3) -> list[list[dict]]:
             model(torch.randn(4, 3, 32, 32)).sum().backward()
         layouts.append(list(seen))
     return layouts
+
+
+# ------------------------------------------------------------------ the profile
+
+#: What chapter 08's profile counts as the gradient all-reduce: on CPU ranks, gloo's work
+#: item (``cpu_time_total``: from the call to its completion on gloo's thread, waiting for
+#: the other ranks included); on GPUs, NCCL's kernels (``device_time_total``: the time the
+#: kernels ran on the GPU; older NCCL names them ``ncclKernel_...``). The
+#: ``nccl:all_reduce`` label is left out on purpose: it times only the CPU's enqueueing.
+GLOO_ALL_REDUCE = "gloo:all_reduce"
+NCCL_KERNEL_PREFIXES = ("ncclDevKernel", "ncclKernel")
+
+
+def profile_phases(events, steps: int, on_gpu: bool,
+                   labels: tuple[str, ...] = ("data", "forward", "backward", "optimizer")
+                   ) -> dict[str, float]:
+    """Milliseconds per step from a profiler's ``key_averages()`` over ``steps`` steps.
+
+    Each of ``labels`` (a ``record_function`` range): its ``cpu_time_total``, the host's
+    time in the range (on a GPU, the time to issue the work, not to run it). Then
+    ``"all-reduce"``: with ``on_gpu``, the summed ``device_time_total`` of the NCCL
+    kernels (events whose key starts with one of :data:`NCCL_KERNEL_PREFIXES`);
+    otherwise the ``cpu_time_total`` of :data:`GLOO_ALL_REDUCE`.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    events = list(events)
+    phases = {label: sum(e.cpu_time_total for e in events if e.key == label) / 1e3 / steps
+              for label in labels}
+    if on_gpu:
+        total = sum(e.device_time_total for e in events
+                    if e.key.startswith(NCCL_KERNEL_PREFIXES))
+    else:
+        total = sum(e.cpu_time_total for e in events if e.key == GLOO_ALL_REDUCE)
+    phases["all-reduce"] = total / 1e3 / steps
+    return phases

@@ -27,20 +27,29 @@ matmul-bound model. Backends without AOTAutograd (``"eager"``) leave backward to
 autograd, op by op, so a graph's backward has no end to observe: :func:`compare` refuses
 them.
 
-The model. DDPOptimizer does not ask DDP for its buckets: it recomputes them from the
-parameters' sizes in reverse order of use, with a 1 MiB first bucket and then DDP's
-``bucket_cap_mb``. DDP (this PyTorch, 2.14) has a 1 MiB first bucket only when
-``bucket_cap_mb`` is not given; given, every bucket has that cap. So at
-``bucket_cap_mb=1`` the two plans agree, and at 2 they do not: here DDP's buckets are
-(layers 2 and 1) and (layer 0), the graphs (layer 2) and (layers 1 and 0), and no
-all-reduce starts before backward has ended. The layers have no bias and each weight is
-exactly 1 MiB, so each bucket holds one tensor: the order in which a compiled graph
-hands over its gradients cannot move a bucket boundary (DDP rebuilds its buckets after
-the first step, in the order gradients became ready). The model is a class of our own:
-Dynamo gives up on DDP's own forward (a call it cannot trace) and starts again at the
-model's forward, but never in ``torch.nn``'s own code, so ``DDP(nn.Sequential(...))``
-compiled on this PyTorch yields no graph at all and runs eagerly
-(:func:`sequential_graph_count`).
+The model. DDPOptimizer does not read DDP's buckets: it plans its own from the sizes of
+the parameters in the captured graph, in reverse order of use, with DDP's cap
+(``ddp_module.bucket_bytes_cap``, taken in ``torch/_dynamo/convert_frame.py``) but always
+a 1 MiB first bucket (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``, in
+``torch/_dynamo/backends/distributed.py``). DDP (this PyTorch, 2.14) has a 1 MiB first
+bucket only when ``bucket_cap_mb`` is not given; given, its first bucket has that cap too
+(``_BucketCapacityConfig`` in ``torch/nn/parallel/distributed.py``). So at
+``bucket_cap_mb=1`` and at the default the two plans agree, and at 2 they do not: here
+DDP's buckets are (layers 2 and 1) and (layer 0), the graphs (layer 2) and (layers 1
+and 0), and no all-reduce starts before backward has ended. The layers have no bias and
+each weight is exactly 1 MiB, so each bucket holds one tensor: the order in which a
+compiled graph hands over its gradients cannot move a bucket boundary (DDP rebuilds its
+buckets after the first step, in the order gradients became ready).
+
+The model is a class of our own. Dynamo does not trace DDP's own code: a frame it is
+asked to evaluate (not one it inlines) is skipped by rule when it is in ``torch.nn``'s
+files (``MOD_SKIPLIST`` in ``torch/_dynamo/trace_rules.py``), and DDP's
+``_inside_ddp_forward`` is marked ``@torch._disable_dynamo(recursive=False)``. Tracing
+starts again at the first frame outside those files, the wrapped model's ``forward``.
+A ``torch.nn`` module's own ``forward`` (``nn.Sequential``'s, ``nn.Linear``'s) is such a
+skipped frame too, unless the module has hooks (``check_verbose``), so
+``DDP(nn.Sequential(...))`` compiled on this PyTorch yields no graph at all and runs
+eagerly, without an error (:func:`sequential_graph_count`, :func:`explained_graph_counts`).
 
 Dynamo reports a few things through ``logging`` with a timestamp (for example that it
 ignores DDP's profiler label); :func:`compare` collects those records instead of
@@ -316,3 +325,27 @@ def sequential_graph_count(widths: tuple[int, ...] = WIDTHS) -> int:
         _loss(model(inputs), targets).backward()
     torch._dynamo.reset()
     return len(graphs)
+
+
+def explained_graph_counts(widths: tuple[int, ...] = WIDTHS) -> dict[str, int]:
+    """Inside a rank: the number of graphs ``torch._dynamo.explain`` reports for one
+    forward pass of DDP around :class:`BiasFreeMLP`, around an ``nn.Sequential`` of the
+    same layers, and around such an ``nn.Sequential`` with a (do-nothing) forward hook:
+    the check that something was captured at all (0: nothing compiled)."""
+    torch.manual_seed(0)
+    mlp = BiasFreeMLP(widths)
+
+    def sequential():
+        return nn.Sequential(*[m for layer in mlp.layers for m in (layer, nn.ReLU())][:-1])
+
+    hooked = sequential()
+    hooked.register_forward_hook(lambda module, args, output: None)
+    inputs, _ = _batch(widths, 4)
+    counts = {}
+    with torch_warnings_collected():
+        for name, module in (("BiasFreeMLP", mlp), ("nn.Sequential", sequential()),
+                             ("nn.Sequential with a hook", hooked)):
+            torch._dynamo.reset()
+            counts[name] = torch._dynamo.explain(DDP(module))(inputs).graph_count
+    torch._dynamo.reset()
+    return counts

@@ -14,6 +14,7 @@ first, gloo's source paths, timestamps).
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import re
 import signal
@@ -24,12 +25,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
 from torchvision import transforms
 
 from .. import recipe
 from ..data.loading import loader_generator, seed_worker
+from ..flight_recorder import collectives_so_far
 from ..ranks import rank, restart_count, world_size
 
 BUSY_SECONDS = 60  # how long a "busy" rank would stay away: far beyond every timeout
@@ -63,7 +66,7 @@ def distributed_debug(level: str = "DETAIL"):
 #: Phrases that carry a lab's lesson, as they appear in the launcher's report or in
 #: what the ranks printed before dying; :func:`failure_summary` quotes those it finds.
 LESSON_PHRASES = (
-    r"Rank \d+ failed to pass monitoredBarrier in \d+ ms",
+    r"Ranks? \d+(?:, \d+)* failed to pass monitoredBarrier in \d+ ms",
     r"Timed out waiting \d+ms for \w+ operation",
     r"Expected to have finished reduction in the prior iteration",
     r"find_unused_parameters=True",
@@ -126,12 +129,16 @@ def lab_collective_on_one_rank(fixed: bool = False) -> float:
     return tensor.sum().item()
 
 
-def lab_monitored_barrier(fixed: bool = False, seconds: float = 2.0) -> str:
+def lab_monitored_barrier(fixed: bool = False, seconds: float = 2.0,
+                          wait_all_ranks: bool = False) -> str:
     """``monitored_barrier`` names the ranks that did not arrive (gloo only; rank 0
-    collects everyone's acknowledgement with its own timeout)."""
+    collects everyone's acknowledgement with its own timeout). With the bug every rank
+    but 0 stays away; it names the first missing rank, or with ``wait_all_ranks`` all of
+    them."""
     if not fixed and rank() != 0:
         time.sleep(BUSY_SECONDS)
-    dist.monitored_barrier(timeout=datetime.timedelta(seconds=seconds))
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=seconds),
+                           wait_all_ranks=wait_all_ranks)
     return "all ranks passed the barrier"
 
 
@@ -180,13 +187,19 @@ class TwoHeads(nn.Module):
 class DDPSteps:
     """What one rank saw while training with DDP: its cost and what DDP's reducer did.
 
-    The reducer's numbers come from DDP's own debugging record
-    (``DistributedDataParallel._get_ddp_logging_data()``, a prototype interface that
-    DDP's documentation points to for exactly this kind of check).
+    ``reduced_bytes``, ``reduced_parameters`` and ``zero_gradients`` are measured in the
+    last step by a communication hook (DDP's default all-reduce, with a note of each
+    bucket it is handed); ``step_collectives`` by the flight recorder, which also sees the
+    collectives DDP runs outside the hook. ``found_unused_bytes`` and ``buckets_rebuilt``
+    come from DDP's own debugging record (``DistributedDataParallel._get_ddp_logging_data()``,
+    a prototype interface that DDP's documentation points to for this kind of check).
     """
 
     seconds_per_step: float
-    reduced_bytes: int          # gradient bytes all-reduced per step (every parameter's)
+    reduced_bytes: int          # bytes of the gradient buckets all-reduced in the last step
+    reduced_parameters: list[str]  # the parameters whose gradients those buckets held
+    zero_gradients: list[str]   # ... of which the gradient was exactly zero everywhere
+    step_collectives: list[tuple[str, int]]  # the last step's collectives: (name, elements)
     found_unused_bytes: int     # bytes of parameters the graph search found unused
     buckets_rebuilt: bool       # DDP re-ordered its buckets after step 1 (an optimisation)
     trained: dict[str, torch.Tensor]  # the final weights of the parameters the loss uses
@@ -198,27 +211,53 @@ def lab_unused_parameter(fix: str | None = None, steps: int = 20) -> DDPSteps:
 
     ``fix="find_unused"`` passes ``find_unused_parameters=True``: DDP then searches the
     autograd graph after every forward pass and marks unused parameters ready (correct,
-    at a cost). ``fix="remove"`` deletes the unused head before wrapping (the real fix
-    when the head is not needed).
+    at a cost: the search, the unused parameters' zero gradients all-reduced with the
+    others, and a second all-reduce per step of which parameters each rank used).
+    ``fix="remove"`` deletes the unused head before wrapping (the real fix when the head
+    is not needed).
     """
     if fix not in (None, "find_unused", "remove"):
         raise ValueError(f"fix must be None, 'find_unused' or 'remove', got {fix!r}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
     torch.manual_seed(0)
     module = TwoHeads()
     if fix == "remove":
         del module.unused_head
+    names = {id(p): name for name, p in module.named_parameters()}
     model = DDP(module, find_unused_parameters=fix == "find_unused")
+    buckets: list[dict] = []
+
+    def noted_allreduce(state, bucket):  # DDP's default hook, with a note of each bucket
+        buffer = bucket.buffer()
+        held = [names[id(p)] for p in bucket.parameters()]
+        buckets.append({"bytes": buffer.numel() * buffer.element_size(), "parameters": held,
+                        "zero": [name for name, grad in zip(held, bucket.gradients(),
+                                                            strict=True)
+                                 if not grad.count_nonzero()]})
+        return default_hooks.allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, noted_allreduce)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(256, 32)
     start = time.perf_counter()
-    for _ in range(steps):
+    for step in range(steps):
+        buckets.clear()  # keep the last step's
+        if step == steps - 1:
+            recorded = len(collectives_so_far())  # the flight recorder's entries so far
         optimizer.zero_grad()
         model(x).square().mean().backward()
         optimizer.step()
     seconds = (time.perf_counter() - start) / steps
+    step_collectives = [(entry["profiling_name"], sum(math.prod(size) for size in
+                                                      entry["input_sizes"]))
+                        for entry in collectives_so_far()[recorded:]]
     record = model._get_ddp_logging_data()
     return DDPSteps(
-        seconds_per_step=seconds, reduced_bytes=record["total_parameter_size_bytes"],
+        seconds_per_step=seconds, reduced_bytes=sum(b["bytes"] for b in buckets),
+        reduced_parameters=sorted(name for b in buckets for name in b["parameters"]),
+        zero_gradients=sorted(name for b in buckets for name in b["zero"]),
+        step_collectives=step_collectives,
         found_unused_bytes=record["unused_parameter_size"],
         buckets_rebuilt=bool(record["has_rebuilt_buckets"]),
         trained={name: tensor.detach().clone() for name, tensor in module.state_dict().items()
@@ -297,6 +336,27 @@ def lab_flight_recorder(folder: str, dump_after: float = 1.5) -> None:
     timer.start()
     dist.all_reduce(torch.ones(2))  # a matched collective first
     lab_mismatched_order()
+
+
+def lab_one_recorder_per_process() -> list[dict]:
+    """Inside a rank: one all-reduce on the default group, one on a second group, then
+    one dump of the flight recorder. The recorder is one per process, shared by its
+    groups: the dump holds both collectives, each tagged with its group's ``pg_id`` and
+    numbered in that group's own sequence, and each with the Python stack of its call
+    (``frames``, recorded unless the dump leaves them out). Returns, per collective,
+    ``{"pg_id", "seq", "name", "called_here"}`` (``called_here``: this function is in
+    the recorded stack)."""
+    import pickle
+
+    group = dist.new_group()
+    dist.all_reduce(torch.ones(2))
+    dist.all_reduce(torch.ones(3), group=group)
+    dump = torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=True)
+    return [{"pg_id": entry["pg_id"], "seq": entry["collective_seq_id"],
+             "name": entry["profiling_name"],
+             "called_here": any(frame["name"] == "lab_one_recorder_per_process"
+                                for frame in entry["frames"])}
+            for entry in pickle.loads(dump)["entries"][-2:]]
 
 
 def flight_records(folder: str, ranks: int) -> list[dict]:

@@ -62,6 +62,28 @@ class TrainingOptions:
                              f"got {self.comm_hook!r}")
 
 
+class _StartedLoader:
+    """A ``DataLoader`` whose iterator is created now, and handed out when the epoch
+    iterates it.
+
+    Creating the iterator starts the loader's workers and their prefetching. Calling
+    ``iter(loader)`` before the clock and then letting the epoch iterate ``loader`` again
+    would not keep that head start: with ``persistent_workers`` the second ``iter``
+    resets the workers (``_ResumeIteration``) and drains the batches they had prefetched,
+    inside the timed region; without workers it simply starts over.
+    """
+
+    def __init__(self, loader: DataLoader):
+        self._length = len(loader)
+        self._iterator = iter(loader)
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __iter__(self):
+        return self._iterator
+
+
 def timed_epoch(options: TrainingOptions, per_rank_samples: int, batch_size: int,
                 warmup_batches: int) -> float:
     """Inside a rank: samples/s (all ranks together) over one epoch with these options."""
@@ -101,8 +123,8 @@ def timed_epoch(options: TrainingOptions, per_rank_samples: int, batch_size: int
                     **(epoch_args | {"accumulate": 1}))
     loader = DataLoader(dataset, sampler=sampler, generator=loader_generator(0, rank()),
                         **loader_args)
-    iter(loader)  # start the workers before the clock
+    batches = _StartedLoader(loader)  # the workers start (and prefetch) before the clock
     dist.barrier()
     started = time.perf_counter()
-    metrics = train_one_epoch(model, loader, optimizer, **epoch_args)  # ends in all_reduce
+    metrics = train_one_epoch(model, batches, optimizer, **epoch_args)  # ends in all_reduce
     return metrics.samples / (time.perf_counter() - started)
