@@ -47,3 +47,42 @@ def test_bad_sizes_are_refused(bad):
         threads.measure(**bad)
     with pytest.raises(ValueError, match="n_threads must be at least 1, got 0"):
         threads.threaded_forward(torch.nn.Identity(), torch.zeros(2), 0)
+
+
+@pytest.mark.parametrize("grad_enabled", [True, False])
+def test_threads_run_in_the_callers_grad_mode(grad_enabled):
+    seen = []
+
+    class Recorder(torch.nn.Module):
+        def forward(self, x):
+            seen.append(torch.is_grad_enabled())
+            return x * 2
+
+    inputs = torch.zeros(4, 2, requires_grad=True)
+    with torch.set_grad_enabled(grad_enabled):
+        output = threads.threaded_forward(Recorder(), inputs, 2)
+    assert seen == [grad_enabled] * 2
+    assert output.requires_grad is grad_enabled
+
+
+def test_forward_seconds_runs_without_autograd():
+    seen = []
+
+    class Recorder(torch.nn.Module):
+        def forward(self, x):
+            seen.append(torch.is_grad_enabled())
+            return x
+
+    threads.forward_seconds(Recorder(), torch.zeros(4, 2), 2, repeats=1)
+    assert seen and not any(seen)
+
+
+def test_an_exception_in_a_thread_reaches_the_caller():
+    class Fails(torch.nn.Module):
+        def forward(self, x):
+            if len(x) == 1:
+                raise ValueError("chunk of one")
+            return x
+
+    with pytest.raises(ValueError, match="chunk of one"):
+        threads.threaded_forward(Fails(), torch.zeros(3, 2), 2)  # chunks of 2 and 1

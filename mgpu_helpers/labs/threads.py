@@ -44,26 +44,40 @@ def cases(batch_size: int = 64) -> dict[str, tuple[nn.Module, torch.Tensor]]:
 
 def threaded_forward(net: nn.Module, inputs: torch.Tensor, n_threads: int) -> torch.Tensor:
     """The batch split into ``n_threads`` chunks, each run through ``net`` on its own
-    thread (DataParallel's scatter and parallel apply, on the CPU), outputs concatenated."""
+    thread (DataParallel's scatter and parallel apply, on the CPU), outputs concatenated.
+    The threads run in the caller's grad mode; an exception in one is raised here."""
     if n_threads < 1:
         raise ValueError(f"n_threads must be at least 1, got {n_threads}")
     chunks = inputs.chunk(n_threads)
     outputs: list[torch.Tensor | None] = [None] * len(chunks)
+    errors: list[BaseException | None] = [None] * len(chunks)
+    # Grad mode is per thread (a new thread starts with it on), so a torch.no_grad()
+    # around this call would not reach the threads: each takes the caller's, as
+    # torch.nn.parallel.parallel_apply does.
+    grad_enabled = torch.is_grad_enabled()
 
     def apply(k: int) -> None:
-        outputs[k] = net(chunks[k])
+        try:
+            with torch.set_grad_enabled(grad_enabled):
+                outputs[k] = net(chunks[k])
+        except Exception as error:  # raised in the caller below, not lost with the thread
+            errors[k] = error
 
     threads = [threading.Thread(target=apply, args=(k,)) for k in range(len(chunks))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    for error in errors:
+        if error is not None:
+            raise error
     return torch.cat(outputs)
 
 
 def forward_seconds(net: nn.Module, inputs: torch.Tensor, n_threads: int,
                     repeats: int = 7) -> float:
-    """Median wall time of one threaded forward pass (no autograd), after one warm-up."""
+    """Median wall time of one threaded forward pass (no autograd: every thread runs under
+    the caller's ``torch.no_grad()``), after one warm-up."""
     times = []
     with torch.no_grad():
         for _ in range(repeats + 1):
