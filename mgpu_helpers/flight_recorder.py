@@ -4,9 +4,12 @@ Each process keeps one ring buffer of the last collectives of all its process gr
 gloo's included (2,000 entries by default in the pinned PyTorch, ``TORCH_FR_BUFFER_SIZE``;
 older releases default to 0, off); chapter 09 shows it. Each entry is a dict with, among
 others, ``pg_id`` (its group), ``profiling_name`` ("gloo:all_reduce"), ``input_sizes``,
-``output_sizes``, ``input_dtypes`` and ``is_p2p``. Counting what a piece of code ran:
-``before = len(collectives_so_far())``, run it, then ``collectives_so_far()[before:]``
-(valid while fewer entries than the buffer holds have been recorded).
+``output_sizes``, ``input_dtypes`` and ``is_p2p``. Gloo records collectives only: its
+``send``, ``isend``, ``recv`` and ``irecv`` leave no entry, so ``is_p2p`` is False in every
+gloo entry (NCCL also records its point-to-point messages, "nccl:send 0->1", with ``is_p2p``
+True). Counting what a piece of code ran: ``before = len(collectives_so_far())``, run it,
+then ``collectives_so_far()[before:]`` (valid while fewer entries than the buffer holds
+have been recorded).
 """
 
 from __future__ import annotations

@@ -17,8 +17,10 @@ def channel_stats(dataset):
 
 
 def keyed_augment(transform, image, seed, epoch, index):
+    # fork_rng(devices=[]) restores the CPU generator only: seed that one alone
+    # (torch.manual_seed would also reseed every GPU's generator, and leave it so)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(hash((seed, epoch, index)) % 2**63)  # one seed per key
+        torch.default_generator.manual_seed(hash((seed, epoch, index)) % 2**63)  # one per key
         return transform(image)
 
 
@@ -56,6 +58,13 @@ def keyed_augment_summed_key(transform, image, seed, epoch, index):
         return transform(image)
 
 
+def keyed_augment_decimal_key(transform, image, seed, epoch, index):
+    """seed * 100 + epoch * 10 + index: index 10 of epoch 0 meets index 0 of epoch 1."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed * 100 + epoch * 10 + index)
+        return transform(image)
+
+
 def keyed_augment_reseeding_global(transform, image, seed, epoch, index):
     """Right key, but it reseeds the global generator and leaves it that way."""
     torch.manual_seed(hash((seed, epoch, index)) % 2**63)
@@ -67,14 +76,23 @@ def keyed_augment_unseeded(transform, image, seed, epoch, index):
     return transform(image)
 
 
+def channel_stats_nan(dataset):
+    """Divides by a count that stayed zero: nan for every channel."""
+    channels = dataset[0][0].shape[0]
+    return [float("nan")] * channels, [float("nan")] * channels
+
+
 REFERENCE = {"01.1": channel_stats, "01.2": keyed_augment}
 # exercise -> (wrong solution, the status it must get, a phrase its report must contain)
 MISTAKES = {
     "01.1": [(channel_stats_per_image, "fail", "channel 0: expected mean"),
              (channel_stats_stacked, "error", "stack expects each tensor to be equal size"),
-             (channel_stats_mean_of_image_means, "fail", "channel 0: expected mean")],
+             (channel_stats_mean_of_image_means, "fail", "channel 0: expected mean"),
+             (channel_stats_nan, "fail", "got mean nan and std nan (nan or inf")],
     "01.2": [(keyed_augment_summed_key, "fail", "(seed 0, epoch 0, index 1) and "
                                                 "(seed 0, epoch 1, index 0) got the same"),
+             (keyed_augment_decimal_key, "fail", "(seed 0, epoch 0, index 10) and "
+                                                 "(seed 0, epoch 1, index 0) got the same"),
              (keyed_augment_reseeding_global, "fail", "global random state changed"),
              (keyed_augment_unseeded, "fail", "gave another image when asked again")],
 }

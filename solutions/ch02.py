@@ -121,7 +121,24 @@ def exact_accuracy_mean_of_means(correct_shard, dataset_size):
     return (mean / world).item()
 
 
+def exact_accuracy_nan(correct_shard, dataset_size):
+    """All-reduces counts it never filled in, then divides: 0 / 0 is nan."""
+    totals = torch.zeros(2)
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item()
+
+
+def exact_accuracy_numpy(correct_shard, dataset_size):
+    """Right, returned as a NumPy float32: a number like any other (an alternative that
+    must pass)."""
+    import numpy as np
+
+    return np.float32(exact_accuracy(correct_shard, dataset_size))
+
+
 REFERENCE = {"02.1": sampler_indices, "02.2": collate_sequences, "02.3": exact_accuracy}
+# exercise -> other correct solutions, which must pass too
+ALTERNATIVES = {"02.3": [exact_accuracy_numpy]}
 # exercise -> (wrong solution, the status it must get, a phrase its report must contain)
 MISTAKES = {
     "02.1": [(sampler_indices_contiguous, "fail", "rank 0: expected [0, 4, 8], got [0, 1, 2]"),
@@ -133,5 +150,6 @@ MISTAKES = {
              (collate_sequences_lengths_after_padding, "fail", "lengths: expected [5, 9, 7, 6]"),
              (collate_sequences_float_zeros, "fail", "got shape (4, 9), dtype float32")],
     "02.3": [(exact_accuracy_counting_padding, "fail", "(7 of 11 samples correct)"),
-             (exact_accuracy_mean_of_means, "fail", "(6 of 10 samples correct)")],
+             (exact_accuracy_mean_of_means, "fail", "(6 of 10 samples correct)"),
+             (exact_accuracy_nan, "fail", "got nan (not a finite number)")],
 }

@@ -61,6 +61,19 @@ def add_replica_grads_zero_filled(model, replicas):
         param.grad = total if param.grad is None else param.grad + total
 
 
+def add_replica_grads_resetting_unused(model, replicas):
+    """Sets .grad to None where no replica has a gradient: what the module had
+    accumulated from earlier micro-batches is lost."""
+    for name, param in model.named_parameters():
+        grads = [dict(r.named_parameters())[name].grad for r in replicas]
+        grads = [g for g in grads if g is not None]
+        if not grads:
+            param.grad = None
+            continue
+        total = sum(grads)
+        param.grad = total if param.grad is None else param.grad + total
+
+
 def chunk_sizes_floor(batch_size, n_devices):
     """Equal shares by floor division: the remainder is lost."""
     return [batch_size // n_devices] * n_devices
@@ -84,7 +97,9 @@ MISTAKES = {
     "04.1": [(add_replica_grads_averaged, "fail", "(0.5 times the expected)"),
              (add_replica_grads_overwriting, "fail", "values differ"),
              (add_replica_grads_assuming_all, "error", "'NoneType' object"),
-             (add_replica_grads_zero_filled, "fail", "expected no gradient")],
+             (add_replica_grads_zero_filled, "fail", "expected no gradient"),
+             (add_replica_grads_resetting_unused, "fail", "aux_head.weight: expected a "
+              "gradient, got None (it held an earlier micro-batch's gradient)")],
     "04.2": [(chunk_sizes_floor, "fail", "64 samples, not 65"),
              (chunk_sizes_balanced, "fail", "expected [17, 17, 17, 14], got [17, 16, 16, 16]"),
              (chunk_sizes_every_device, "fail", "3 devices get work")],

@@ -101,17 +101,52 @@ def batch_stats_of_this_rank(x):
     return mean, var
 
 
+def fp16_hook_from_torch(state, bucket):
+    """Hands the bucket to torch's own hook: right numbers, no hook written."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks.fp16_compress_hook(state, bucket)
+
+
+def accumulation_in_one_batch(model, optimizer, micro_batches):
+    """The micro-batches concatenated into one forward and one backward: the same step,
+    with none of the memory accumulation saves."""
+    optimizer.zero_grad()
+    inputs = torch.cat([inputs for inputs, _ in micro_batches])
+    labels = torch.cat([labels for _, labels in micro_batches])
+    F.cross_entropy(model(inputs), labels).backward()
+    optimizer.step()
+
+
+# Other correct solutions --------------------------------------------------------------
+
+def batch_stats_in_float64(x):
+    """Sums in float64 (as exercise 01.1 advises) and returns float64 statistics."""
+    channels = x.shape[1]
+    x = x.double()
+    stats = torch.cat([x.sum((0, 2, 3)), (x * x).sum((0, 2, 3)),
+                       torch.tensor([x.numel() / channels], dtype=torch.float64)])
+    dist.all_reduce(stats)
+    mean = stats[:channels] / stats[-1]
+    return mean, stats[channels:2 * channels] / stats[-1] - mean * mean
+
+
 REFERENCE = {"05.1": fp16_average_hook, "05.2": accumulation_step,
              "05.3": global_batch_stats}
+# exercise -> other correct solutions, which must pass too
+ALTERNATIVES = {"05.3": [batch_stats_in_float64]}
 # exercise -> (wrong solution, the status it must get, a phrase its report must contain)
 MISTAKES = {
     "05.1": [(fp16_hook_without_division, "fail", "about 2 times those of DDP's default"),
              (fp16_hook_dividing_after_the_sum, "fail", "came back inf or nan"),
-             (fp16_hook_that_never_compresses, "fail", "sent Float tensors")],
+             (fp16_hook_that_never_compresses, "fail", "sent Float tensors"),
+             (fp16_hook_from_torch, "fail", "calls torch's fp16_compress_hook")],
     "05.2": [(accumulation_never_synchronised, "fail", "ran 0 gradient all-reduces"),
              (accumulation_without_dividing, "fail", "the weights differ from 3 big-batch steps"),
              (accumulation_synchronising_every_micro_batch, "fail",
-              "ran 6 gradient all-reduces in 3 steps")],
+              "ran 6 gradient all-reduces in 3 steps"),
+             (accumulation_in_one_batch, "fail", "the model ran forward passes on batches of "
+              "[8] samples (3 in all), expected one per micro-batch (6 of 4)")],
     "05.3": [(batch_stats_averaging_the_ranks, "fail", "var per channel"),
              (batch_stats_of_this_rank, "fail", "mean per channel")],
 }

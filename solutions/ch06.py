@@ -72,7 +72,8 @@ def one_f_one_b_order_warmup_counted_from_the_wrong_end(stages, micro_batches):
 REFERENCE = {"06.1": gpipe_order, "06.2": one_f_one_b_order}
 MISTAKES = {
     "06.1": [(gpipe_order_backward_reversed_on_the_first_stage, "fail", "2(M+K-1)"),
-             (gpipe_order_interleaved, "fail", "2(M+K-1)")],
+             (gpipe_order_interleaved, "fail", "2(M+K-1)"),
+             (one_f_one_b_order, "fail", "GPipe runs every forward before any backward")],
     "06.2": [(one_f_one_b_order_one_warmup_too_many, "fail", "activations held at once"),
              (one_f_one_b_order_without_warmup, "fail", "2(M+K-1)"),
              (one_f_one_b_order_warmup_counted_from_the_wrong_end, "fail",

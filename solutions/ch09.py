@@ -85,7 +85,25 @@ def train_with_join(model, optimizer, batches):
             optimizer.step()
 
 
+# Other correct solutions --------------------------------------------------------------
+
+def epoch_mean_loss_as_a_tensor(local_losses):
+    """Returns the mean as a float64 tensor of no dimensions."""
+    total = torch.tensor([sum(local_losses), len(local_losses)], dtype=torch.float64)
+    dist.all_reduce(total)
+    return total[0] / total[1]
+
+
+def average_metrics_in_numpy(metrics):
+    """Returns NumPy float32 scalars: numbers like any other."""
+    import numpy as np
+
+    return {name: np.float32(value) for name, value in average_metrics(metrics).items()}
+
+
 REFERENCE = {"09.1": epoch_mean_loss, "09.2": average_metrics, "09.3": train_on_uneven_batches}
+# exercise -> other correct solutions, which must pass too
+ALTERNATIVES = {"09.1": [epoch_mean_loss_as_a_tensor], "09.2": [average_metrics_in_numpy]}
 # exercise -> (wrong solution, the status it must get, a phrase its report must contain)
 MISTAKES = {
     "09.1": [(epoch_mean_loss_as_shipped, "hang", "never comes"),

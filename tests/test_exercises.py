@@ -67,6 +67,80 @@ def test_the_stub_is_not_attempted_yet_and_runs_nothing(key):
                          f"`{EXERCISES[key].function}`, then run this cell again)")
 
 
+ALTERNATIVES = [(key, index) for key, exercise in EXERCISES.items()
+                for index in range(len(getattr(solutions(exercise.chapter), "ALTERNATIVES",
+                                               {}).get(key, [])))]
+
+
+@pytest.mark.parametrize(("key", "index"), ALTERNATIVES)
+def test_other_correct_solutions_pass_too(key, index):
+    # NumPy scalars, float64 results, batch_isend_irecv, a ring that turns the other way
+    right = solutions(EXERCISES[key].chapter).ALTERNATIVES[key][index]
+    report = core.evaluate(EXERCISES[key], right)
+    assert report.passed, "\n".join(report.lines())
+
+
+IN_PROCESS = [key for key, exercise in EXERCISES.items()
+              if any(case.world == 0 for case in exercise.cases)]
+
+
+@pytest.mark.parametrize("key", IN_PROCESS)
+def test_a_check_in_this_process_leaves_torchs_random_state_alone(key, monkeypatch):
+    import torch
+
+    seeded = []  # torch.manual_seed seeds (or queues a seed for) every GPU's generator
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: seeded.append(seed))
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: seeded.append(seed))
+    torch.manual_seed(123)
+    seeded.clear()
+    before = torch.get_rng_state()
+    exercise = dataclasses.replace(EXERCISES[key], cases=[
+        case for case in EXERCISES[key].cases if case.world == 0])
+    assert core.evaluate(exercise, solutions(exercise.chapter).REFERENCE[key]).passed
+    assert torch.equal(torch.get_rng_state(), before)
+    assert seeded == []
+
+
+def test_a_judge_that_cannot_compare_is_a_failed_case_not_a_crash():
+    def judge(got, expected):
+        return None if got == expected else got + expected  # list + str: TypeError
+
+    exercise = dataclasses.replace(EXERCISES["04.2"], judge=judge)
+    report = core.evaluate(exercise, lambda batch_size, n_devices: "sizes")
+    assert [o.status for o in report.outcomes] == ["fail"] * len(exercise.cases)
+    assert report.outcomes[0].detail.startswith("could not compare your result: TypeError: ")
+
+
+def test_a_report_counts_its_cases_in_words():
+    exercise = dataclasses.replace(EXERCISES["04.2"], cases=EXERCISES["04.2"].cases[1:2])
+    reference = solutions("04").REFERENCE["04.2"]
+    assert core.evaluate(exercise, reference).lines()[-1] == "the case passed"
+    failed = core.evaluate(exercise, solutions("04").chunk_sizes_floor).lines()[-1]
+    assert failed.startswith("0 of 1 case passed. Hint: ")
+    assert core.count(1, "rank") == "1 rank" and core.count(3, "rank") == "3 ranks"
+    assert not any("1 ranks" in case.label or "1 stages" in case.label
+                   for exercise in EXERCISES.values() for case in exercise.cases)
+
+
+@pytest.mark.parametrize(("value", "number"), [
+    (3, 3.0), (0.5, 0.5), (True, None), ("1", None), ([1.0], None)])
+def test_as_number_takes_real_numbers_only(value, number):
+    assert core.as_number(value) == number
+
+
+def test_as_number_takes_numpy_scalars_and_one_element_tensors():
+    import numpy as np
+    import torch
+
+    assert core.as_number(np.float32(0.5)) == 0.5 and core.as_number(np.int64(7)) == 7.0
+    assert core.as_number(torch.tensor(2.5, dtype=torch.float64)) == 2.5
+    assert core.as_number(torch.tensor([4])) == 4.0
+    assert core.as_number(torch.tensor([1.0, 2.0])) is None
+    assert core.as_number(torch.tensor(True)) is None and core.as_number(np.bool_(True)) is None
+    assert core.beyond(float("nan"), 1.0) and core.beyond(2.0, 1.0)
+    assert not core.beyond(1.0, 1.0)
+
+
 MISTAKES = [(key, index) for key, exercise in EXERCISES.items()
             for index in range(len(solutions(exercise.chapter).MISTAKES.get(key, [])))]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torchvision.transforms import v2
 
-from .core import Case, Exercise
+from .core import Case, Exercise, beyond
 
 # ---------------------------------------------------------------- 01.1 channel stats
 
@@ -64,11 +64,14 @@ def _judge_stats(got, expected) -> str | None:
     (mean, std), (want_mean, want_std) = got, expected
     for channel in range(len(want_mean)):
         # 1e-3 relative: torch.std's n - 1 and the population's n agree to that here
-        if (abs(mean[channel] - want_mean[channel]) > 1e-3 * want_mean[channel]
-                or abs(std[channel] - want_std[channel]) > 1e-3 * want_std[channel]):
+        if (beyond(abs(mean[channel] - want_mean[channel]), 1e-3 * want_mean[channel])
+                or beyond(abs(std[channel] - want_std[channel]), 1e-3 * want_std[channel])):
+            finite = bool(torch.isfinite(mean[channel]) and torch.isfinite(std[channel]))
             return (f"channel {channel}: expected mean {want_mean[channel]:.4f} and std "
                     f"{want_std[channel]:.4f}, got mean {mean[channel]:.4f} and std "
-                    f"{std[channel]:.4f}")
+                    f"{std[channel]:.4f}"
+                    + ("" if finite else " (nan or inf: a division by zero, or a sum that "
+                                         "was never filled?)"))
     return None
 
 
@@ -88,12 +91,14 @@ def _keyed_trial(fn, seeds: tuple, epochs: tuple, indices: tuple):
     keys = [(s, e, i) for s in seeds for e in epochs for i in indices]
     image = torch.rand(3, 32, 32, generator=torch.Generator().manual_seed(1))
     transform = _augmentation()
-    with torch.random.fork_rng(devices=[]):  # the notebook's own random state is kept
-        torch.manual_seed(1000)
+    # the notebook's own random state is kept; torch.manual_seed would also reseed (or
+    # queue a seed for) every GPU's generator, which fork_rng(devices=[]) does not restore
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(1000)
         before = torch.get_rng_state()
         first = {key: fn(transform, image.clone(), *key) for key in keys}
         state_kept = torch.equal(torch.get_rng_state(), before)
-        torch.manual_seed(2000)  # another global state, another order
+        torch.default_generator.manual_seed(2000)  # another global state, another order
         order = torch.randperm(len(keys), generator=torch.Generator().manual_seed(2)).tolist()
         second = {keys[k]: fn(transform, image.clone(), *keys[k]) for k in order}
     got = {"shape": None, "unrepeatable": None, "collision": None, "state_kept": state_kept}
@@ -155,10 +160,13 @@ EXERCISES = [
         cases=[Case("seed 0, epochs 0 and 1, indices 0 to 3", ((0,), (0, 1), (0, 1, 2, 3))),
                Case("seeds 0 and 1, epoch 0, indices 0 and 1", ((0, 1), (0,), (0, 1))),
                Case("seed 42, epochs 0 to 2, indices 0 to 9, asked in another order",
-                    ((42,), (0, 1, 2), tuple(range(10))))],
+                    ((42,), (0, 1, 2), tuple(range(10)))),
+               Case("seeds 0 and 1, epochs 0, 1 and 10, indices up to 1,442",
+                    ((0, 1), (0, 1, 10), (0, 1, 10, 100, 1000, 1442)))],
         trial=_keyed_trial, judge=_judge_keyed,
-        hint="every key needs a seed of its own (which keys would seed + epoch + index "
-             "confuse?), and torch is seeded only inside a block that restores its global "
-             "state afterwards",
+        hint="every key needs a seed of its own (which keys would seed + epoch + index, or "
+             "seed * 100 + epoch * 10 + index, confuse?); seed only the CPU generator "
+             "(torch.manual_seed seeds the GPUs' too), inside a block that puts its state "
+             "back afterwards",
     ),
 ]

@@ -4,13 +4,14 @@ against PyTorch's own (the sampler's indices, ``pad_sequence``, the true accurac
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DistributedSampler
 
-from .core import Case, Exercise
+from .core import Case, Exercise, as_number, beyond
 
 
 def _show(values: list, limit: int = 12) -> str:
@@ -159,18 +160,19 @@ def _accuracy_trial(fn, correct: tuple, shuffle: bool):
     sampler.set_epoch(1)
     shard = torch.tensor([float(correct[i]) for i in sampler])
     result = fn(shard, n)
-    if isinstance(result, torch.Tensor) and result.numel() == 1:
-        result = result.item()
-    return result, (sum(correct), n)
+    number = as_number(result)  # a float, NumPy's scalar or a one-element tensor
+    return result if number is None else number, (sum(correct), n)
 
 
 def _judge_accuracy(result, expected) -> str | None:
     right, n = expected
-    if isinstance(result, bool) or not isinstance(result, (int, float)):
+    value = as_number(result)
+    if value is None:
         return f"expected a number (the accuracy), got {type(result).__name__}"
-    if abs(result - right / n) > 1e-6:
+    if beyond(abs(value - right / n), 1e-6):
+        finite = "" if math.isfinite(value) else " (not a finite number)"
         return (f"expected {right / n:.4f} ({right} of {n} samples correct), "
-                f"got {result:.4f}")
+                f"got {value:.4f}{finite}")
     return None
 
 

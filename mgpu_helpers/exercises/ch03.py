@@ -1,12 +1,21 @@
-"""Chapter 03's exercises: collectives built from point-to-point messages."""
+"""Chapter 03's exercises: collectives built from point-to-point messages.
+
+What a rank sends is counted where every point-to-point message goes through,
+``ProcessGroup.send`` (``dist.send``, ``dist.isend`` and ``batch_isend_irecv``'s
+``P2POp`` all call it): gloo's flight recorder keeps the collectives only, no entry for a
+send or a receive. A ring sends to one neighbour only, and no more bytes than the ring's
+steps carry."""
 
 from __future__ import annotations
+
+import math
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 from ..flight_recorder import collectives_so_far
-from .core import Case, Exercise
+from .core import Case, Exercise, as_number, beyond, count
 
 
 def _rank_input(length: int) -> torch.Tensor:
@@ -15,9 +24,40 @@ def _rank_input(length: int) -> torch.Tensor:
     return torch.arange(length, dtype=torch.float32) % 7 + 10 * (rank + 1)
 
 
-def _point_to_point_only(before: int) -> list[str]:
+def _collectives_since(before: int) -> list[str]:
+    # gloo records no point-to-point message, so every entry here is a collective; the
+    # is_p2p test keeps this right on a backend that records them too (NCCL does)
     return sorted({entry["profiling_name"] for entry in collectives_so_far()[before:]
                    if not entry.get("is_p2p", False)})
+
+
+@contextmanager
+def _counting_sends():
+    """Inside a rank: a list that receives (peer, bytes) for every message this rank
+    sends while the block runs."""
+    sent: list[tuple[int, int]] = []
+    original = dist.ProcessGroup.send
+
+    def counting(group, tensors, *args, **kwargs):
+        peer = args[0] if args else kwargs.get("dstRank")  # the rank in ``group``
+        sent.append((peer, sum(t.numel() * t.element_size() for t in tensors)))
+        return original(group, tensors, *args, **kwargs)
+
+    dist.ProcessGroup.send = counting
+    try:
+        yield sent
+    finally:
+        dist.ProcessGroup.send = original
+
+
+def _traffic(sent: list, elements: int, phases: int, element_size: int) -> dict:
+    """What this rank sent, and the most a ring may send: ``phases`` rounds of N-1 steps,
+    each step one chunk of at most ceil(elements / N) elements, to one neighbour."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return {"bytes": sum(size for _, size in sent),
+            "peers": sorted({peer for peer, _ in sent}),
+            "budget": phases * (world - 1) * math.ceil(elements / world) * element_size,
+            "neighbours": ((rank + 1) % world, (rank - 1) % world)}
 
 
 def _ring_trial(fn, length: int):
@@ -25,8 +65,10 @@ def _ring_trial(fn, length: int):
     expected = tensor.clone()
     dist.all_reduce(expected)
     before = len(collectives_so_far())
-    fn(tensor)
-    return (tensor, _point_to_point_only(before)), expected
+    with _counting_sends() as sent:
+        fn(tensor)
+    traffic = _traffic(sent, length, 2, tensor.element_size())
+    return (tensor, _collectives_since(before), traffic), expected
 
 
 def _reduce_scatter_trial(fn, length: int):
@@ -37,8 +79,10 @@ def _reduce_scatter_trial(fn, length: int):
     expected = expected.chunk(world)[dist.get_rank()].clone()
     output = torch.full((length,), float("nan"))
     before = len(collectives_so_far())
-    fn(output, source.clone())
-    return (output, _point_to_point_only(before)), expected
+    with _counting_sends() as sent:
+        fn(output, source.clone())
+    traffic = _traffic(sent, length * world, 1, source.element_size())
+    return (output, _collectives_since(before), traffic), expected
 
 
 def _show(tensor: torch.Tensor, limit: int = 8) -> str:
@@ -52,19 +96,34 @@ def same_tensor(got, expected: torch.Tensor) -> str | None:
         return f"expected a tensor, got {type(got).__name__}"
     if got.shape != expected.shape:
         return f"expected shape {tuple(expected.shape)}, got {tuple(got.shape)}"
+    got, expected = got.double(), expected.double()  # any float dtype compares
     if not torch.allclose(got, expected, rtol=1e-5, atol=1e-5, equal_nan=False):
         wrong = int((~torch.isclose(got, expected, rtol=1e-5, atol=1e-5)).sum())
-        return (f"{wrong} of {got.numel()} values differ: expected {_show(expected)}, "
+        return (f"{wrong} of {count(got.numel(), 'value')} "
+                f"{'differs' if wrong == 1 else 'differ'}: expected {_show(expected)}, "
                 f"got {_show(got)}")
     return None
 
 
 def _judge_point_to_point(got, expected) -> str | None:
-    tensor, collectives = got
+    tensor, collectives, traffic = got
     if collectives:
         return (f"it called {', '.join(collectives)}: build it from send/recv "
                 "(or isend/irecv) only")
-    return same_tensor(tensor, expected)
+    wrong = same_tensor(tensor, expected)
+    if wrong:
+        return wrong
+    right, left = traffic["neighbours"]
+    peers = set(traffic["peers"])
+    if traffic["bytes"] > traffic["budget"] or not (peers <= {right} or peers <= {left}):
+        ranks = ", ".join(map(str, traffic["peers"]))
+        neighbour = (f"rank {right}" if right == left else
+                     f"rank {right}, or rank {left} for a ring that turns the other way")
+        return (f"the sums are right, but this rank sent {traffic['bytes']:,} bytes to "
+                f"rank{'s' if len(peers) > 1 else ''} {ranks}; a ring sends at most "
+                f"{traffic['budget']:,}, to one neighbour only ({neighbour}): pass chunks "
+                "along the ring, not whole tensors to every rank")
+    return None
 
 
 def _crossover_trial(fn, alpha: float, bandwidth: float, world: int):
@@ -74,10 +133,12 @@ def _crossover_trial(fn, alpha: float, bandwidth: float, world: int):
 
 
 def _judge_number(got, expected) -> str | None:
-    if isinstance(got, bool) or not isinstance(got, (int, float)):
+    value = as_number(got)  # a float, NumPy's scalar or a one-element tensor
+    if value is None:
         return f"expected a number of bytes, got {type(got).__name__}"
-    if abs(got - expected) > 1e-6 * abs(expected):
-        return f"expected {expected:,.0f} bytes, got {got:,.0f}"
+    if beyond(abs(value - expected), 1e-6 * abs(expected)):
+        finite = "" if math.isfinite(value) else " (not a finite number)"
+        return f"expected {expected:,.0f} bytes, got {value:,.0f}{finite}"
     return None
 
 

@@ -49,10 +49,14 @@ class _Routed(nn.Module):
 
 
 def _model(kind: str) -> nn.Module:
-    torch.manual_seed(4)
-    if kind == "mlp":
-        return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3))
-    return _Routed(extras=kind == "routed with extras")
+    # the same weights every time, drawn without touching the notebook's random state:
+    # fork_rng puts the CPU generator back, and only the CPU generator is seeded
+    # (torch.manual_seed would also reseed the GPUs')
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(4)
+        if kind == "mlp":
+            return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3))
+        return _Routed(extras=kind == "routed with extras")
 
 
 def _inputs(chunks: tuple, generator: torch.Generator) -> torch.Tensor:
@@ -99,7 +103,9 @@ def _sum_trial(fn, kind: str, chunks: tuple, accumulated: bool):
     F.cross_entropy(torch.cat([expected_model(x) for x in pieces]), targets).backward()
 
     fn(model, replicas)
-    return _grads(model), _grads(expected_model)
+    held = {name for name, p in expected_model.named_parameters() if p.grad is not None}
+    earlier = {name for name, p in model.named_parameters() if accumulated and p.requires_grad}
+    return _grads(model), {"grads": _grads(expected_model), "earlier": earlier & held}
 
 
 def _show(tensor: torch.Tensor, limit: int = 4) -> str:
@@ -108,7 +114,7 @@ def _show(tensor: torch.Tensor, limit: int = 4) -> str:
 
 
 def _judge_grads(got: dict, expected: dict) -> str | None:
-    for name, want in expected.items():
+    for name, want in expected["grads"].items():
         have = got[name]
         if want is None and have is not None:
             return (f"{name}: expected no gradient (.grad None: no replica computed one), "
@@ -116,9 +122,12 @@ def _judge_grads(got: dict, expected: dict) -> str | None:
         if want is None:
             continue
         if have is None:
-            return f"{name}: expected a gradient, got None"
+            held = (" (it held an earlier micro-batch's gradient)"
+                    if name in expected["earlier"] else "")
+            return f"{name}: expected a gradient, got None{held}"
         if have.shape != want.shape:
             return f"{name}: expected shape {tuple(want.shape)}, got {tuple(have.shape)}"
+        have, want = have.double(), want.double()
         if not torch.allclose(have, want, rtol=1e-4, atol=1e-6):
             scale = float((have * want).sum() / (want * want).sum()) if want.any() else 0.0
             ratio = (f" ({scale:.3g} times the expected)"
@@ -167,7 +176,11 @@ EXERCISES = [
                 Case("3 replicas, an expert some of them never called",
                      ("routed", ("+", "±", "-"), True)),
                 Case("2 replicas, a frozen layer and a layer no replica used",
-                     ("routed with extras", ("±", "±"), False))],
+                     ("routed with extras", ("±", "±"), False)),
+                Case("2 replicas, gradients already accumulated, a layer no replica used",
+                     ("routed with extras", ("±", "±"), True)),
+                Case("2 replicas, gradients already accumulated, an expert no replica called",
+                     ("routed", ("+", "+"), True))],
         trial=_sum_trial, judge=_judge_grads,
         hint="each replica holds the gradient of its chunk's share of the loss, so the "
              "full-batch gradient is their sum; a replica whose .grad is None adds nothing, "

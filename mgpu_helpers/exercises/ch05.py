@@ -3,13 +3,15 @@ batch-norm statistics over all ranks, each checked on gloo ranks against PyTorch
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from ..flight_recorder import collectives_so_far
-from .core import Case, Exercise, largest_abs
+from .core import Case, Exercise, beyond, largest_abs
 
 # ---------------------------------------------------------------- 05.1 float16 hook
 
@@ -55,12 +57,45 @@ def _hook_trial(fn, same_inputs: bool, near_limit: bool):
     default = _hook_gradients(None, inputs, loss_scale)
     torch_hook = _hook_gradients(default_hooks.fp16_compress_hook, inputs, loss_scale)
     sent: list[str] = []
-    mine = _hook_gradients(fn, inputs, loss_scale, sent)
-    return ({"gradients": mine, "dtypes": sorted(set(sent))},
+    with _recording_torch_hooks() as library:
+        mine = _hook_gradients(fn, inputs, loss_scale, sent)
+    return ({"gradients": mine, "dtypes": sorted(set(sent)), "library": sorted(library)},
             {"default": default, "torch": torch_hook})
 
 
+@contextmanager
+def _recording_torch_hooks():
+    """A set that receives the names of torch's own DDP hooks called while the block
+    runs. Every hook of ``default_hooks`` goes through ``_compress_hook`` (the fp16 and
+    bf16 hooks) or ``_allreduce_fut`` (``allreduce_hook``, which the compress wrappers
+    call), looked up in that module at each call, whatever name the reader imported."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    called: set[str] = set()
+    originals = {name: getattr(default_hooks, name)
+                 for name in ("_compress_hook", "_allreduce_fut")}
+
+    def compress(dtype, *args, **kwargs):
+        called.add("bf16_compress_hook" if dtype == torch.bfloat16 else "fp16_compress_hook")
+        return originals["_compress_hook"](dtype, *args, **kwargs)
+
+    def allreduce(*args, **kwargs):
+        called.add("allreduce_hook")
+        return originals["_allreduce_fut"](*args, **kwargs)
+
+    default_hooks._compress_hook, default_hooks._allreduce_fut = compress, allreduce
+    try:
+        yield called
+    finally:
+        for name, original in originals.items():
+            setattr(default_hooks, name, original)
+
+
 def _hook_judge(got, expected) -> str | None:
+    if got["library"]:
+        return (f"the hook calls torch's {got['library'][0]} (ddp_comm_hooks.default_hooks): "
+                "the exercise is to write the hook yourself, from bucket.buffer() and "
+                "dist.all_reduce")
     if got["dtypes"] != ["Half"]:
         sent = ", ".join(got["dtypes"]) or "nothing"
         return (f"the hook's collectives sent {sent} tensors, expected only Half (float16): "
@@ -77,7 +112,7 @@ def _hook_judge(got, expected) -> str | None:
         for name, reference in (("DDP's default all-reduce", default),
                                 ("torch's fp16_compress_hook", torch_hook)):
             difference = largest_abs(mine - reference)
-            if difference > tolerance:
+            if beyond(difference, tolerance):
                 ratio = (mine @ reference / (reference @ reference)).item()
                 if abs(ratio - 1) > 0.01:
                     return (f"backward {step + 1}: the gradients are about {ratio:.3g} times "
@@ -109,6 +144,13 @@ def _accumulation_trial(fn, accumulation: int, micro_batch: int, steps: int = 3)
     inputs, labels = _accumulation_data(world, accumulation, micro_batch, steps)
     model = DDP(_small_classifier())  # one bucket: one all-reduce per synchronised backward
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    sizes: list[int] = []  # the batch size of every forward pass of the wrapped module
+
+    def record(module, args, kwargs):
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        sizes.append(tensors[0].shape[0] if tensors and tensors[0].dim() else 1)
+
+    model.module.register_forward_pre_hook(record, with_kwargs=True)
     before = len(collectives_so_far())
     for step in range(steps):
         fn(model, optimizer, [(inputs[step, rank, i], labels[step, rank, i])
@@ -123,19 +165,26 @@ def _accumulation_trial(fn, accumulation: int, micro_batch: int, steps: int = 3)
         F.cross_entropy(big(inputs[step].reshape(-1, 8)), labels[step].reshape(-1)).backward()
         big_optimizer.step()
     return ({"weights": [p.detach().clone() for p in model.module.parameters()],
-             "all_reduces": all_reduces},
-            {"weights": [p.detach() for p in big.parameters()], "all_reduces": steps})
+             "all_reduces": all_reduces, "forwards": sizes},
+            {"weights": [p.detach() for p in big.parameters()], "all_reduces": steps,
+             "forwards": [micro_batch] * (accumulation * steps)})
 
 
 def _accumulation_judge(got, expected) -> str | None:
     problems = []
+    if got["forwards"] != expected["forwards"]:
+        forwards, wanted = got["forwards"], expected["forwards"]
+        problems.append(f"the model ran forward passes on batches of {sorted(set(forwards))} "
+                        f"samples ({len(forwards)} in all), expected one per micro-batch "
+                        f"({len(wanted)} of {wanted[0]})")
     if got["all_reduces"] != expected["all_reduces"]:
         problems.append(f"DDP ran {got['all_reduces']} gradient all-reduces in "
                         f"{expected['all_reduces']} steps, expected {expected['all_reduces']} "
                         "(one per step)")
-    difference = max(largest_abs(a - b) for a, b in zip(got["weights"], expected["weights"],
-                                                     strict=True))
-    if difference > 1e-6:
+    # torch's max keeps a nan (Python's max may drop it)
+    difference = float(torch.tensor([largest_abs(a - b) for a, b in zip(
+        got["weights"], expected["weights"], strict=True)]).max())
+    if beyond(difference, 1e-6):
         problems.append(f"after {expected['all_reduces']} steps the weights differ from "
                         f"{expected['all_reduces']} big-batch steps' by up to {difference:.2g} "
                         "(expected within 1e-6)")
@@ -165,6 +214,7 @@ def _statistics_judge(got, expected) -> str | None:
         if not isinstance(mine, torch.Tensor) or mine.shape != reference.shape:
             shape = tuple(mine.shape) if isinstance(mine, torch.Tensor) else type(mine).__name__
             return f"{name}: expected a tensor of shape {tuple(reference.shape)}, got {shape}"
+        mine, reference = mine.double(), reference.double()  # float64 results compare too
         if not torch.allclose(mine, reference, rtol=1e-4, atol=1e-5):
             show = ", ".join(f"{v:.3f}" for v in reference.tolist())
             got_show = ", ".join(f"{v:.3f}" for v in mine.tolist())
@@ -191,9 +241,10 @@ EXERCISES = [
                     (k, b), world)
                for world, k, b in ((2, 2, 4), (3, 3, 4), (2, 1, 8))],
         trial=_accumulation_trial, judge=_accumulation_judge,
-        hint="inside model.no_sync() a backward only adds to .grad; the backward outside it "
-             "all-reduces what .grad holds: which micro-batch must that be? And the step must "
-             "see the mean loss over the k micro-batches",
+        hint="one forward and one backward per micro-batch; inside model.no_sync() a "
+             "backward only adds to .grad; the backward outside it all-reduces what .grad "
+             "holds: which micro-batch must that be? And the step must see the mean loss "
+             "over the k micro-batches",
     ),
     Exercise(
         key="05.3", title="batch statistics over all ranks",

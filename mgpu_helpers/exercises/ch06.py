@@ -12,7 +12,7 @@ length, the bubble, and the most micro-batches whose activations a stage holds a
 
 from __future__ import annotations
 
-from .core import Case, Exercise
+from .core import Case, Exercise, count
 
 
 def simulate(schedule, stages: int, micro_batches: int) -> dict:
@@ -80,13 +80,17 @@ def _judge(got, expected) -> str | None:
         return (f"the step takes {got['length']} time units, expected "
                 f"{expected['length']} = 2(M+K-1): some stage waits longer than it must")
     if got["peak_held"] != expected["peak_held"]:
+        fewer = (expected["kind"] == "GPipe"
+                 and any(g < e for g, e in zip(got["peak_held"], expected["peak_held"],
+                                                strict=True)))
         return (f"activations held at once, per stage: expected {expected['peak_held']}, "
-                f"got {got['peak_held']}")
+                f"got {got['peak_held']}"
+                + (": GPipe runs every forward before any backward" if fewer else ""))
     return None
 
 
 def _cases():
-    return [Case(f"K = {stages} stages, M = {micro_batches} micro-batches",
+    return [Case(f"K = {count(stages, 'stage')}, M = {micro_batches} micro-batches",
                  (stages, micro_batches))
             for stages, micro_batches in ((2, 4), (4, 4), (4, 8), (3, 2), (1, 3))]
 

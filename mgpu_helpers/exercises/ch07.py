@@ -3,13 +3,15 @@ and a tensor-parallel feed-forward block written by hand."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from ..flight_recorder import collectives_so_far
-from .core import Case, Exercise, largest_abs
+from .core import Case, Exercise, as_number, beyond, largest_abs
 
 # ---------------------------------------------------------------- 07.1 ZeRO-1
 
@@ -36,15 +38,16 @@ def _zero1_trial(fn, steps: int = 3, lr: float = 1e-2):
 
     def train(make_optimizer):
         model = _zero1_model()  # the same initial weights on every rank
-        optimizer = make_optimizer(list(model.parameters()), lr)
+        params = list(model.parameters())
+        optimizer = make_optimizer(list(params), lr)
         for step in range(steps):
             model.zero_grad(set_to_none=True)
             F.mse_loss(model(inputs[step, rank]), targets[step, rank]).backward()
-            for p in model.parameters():  # what DDP does: the average over the ranks
+            for p in params:  # what DDP does: the average over the ranks
                 dist.all_reduce(p.grad)
                 p.grad /= world
             optimizer.step()
-        return [p.detach().clone() for p in model.parameters()]
+        return [p.detach().clone() for p in params], params, optimizer
 
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -52,27 +55,59 @@ def _zero1_trial(fn, steps: int = 3, lr: float = 1e-2):
     handle = register_optimizer_step_post_hook(
         lambda optimizer, args, kwargs: stepped.setdefault(id(optimizer), optimizer))
     try:
-        weights = train(fn)
+        weights, params, returned = train(fn)
     finally:
         handle.remove()
+    library = sorted({type(o).__name__ for o in (returned, *stepped.values())
+                      if type(o).__module__.startswith("torch.distributed.optim")})
     mine = _state_bytes(stepped.values())
     everyone = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(everyone, torch.tensor([mine]))
-    expected = train(lambda params, lr: torch.optim.Adam(params, lr=lr))
+    expected, plain_params, plain = train(lambda params, lr: torch.optim.Adam(params, lr=lr))
+    # Adam's first moment of each parameter this rank's optimizers stepped, beside plain
+    # Adam's for the same parameter (a parameter the reader copied is not found: skipped)
+    index = {id(p): k for k, p in enumerate(params)}
+    moments = [(state["exp_avg"], plain.state[plain_params[index[id(p)]]]["exp_avg"])
+               for optimizer in stepped.values() for p, state in optimizer.state.items()
+               if id(p) in index and isinstance(state.get("exp_avg"), torch.Tensor)]
     total = 2 * sum(p.numel() * p.element_size() for p in _zero1_model().parameters())
     return ({"weights": weights, "state": mine, "states": [int(b) for b in everyone],
-             "optimizers": len(stepped)},
+             "optimizers": len(stepped), "library": library, "moments": moments},
             {"weights": expected, "total": total, "world": world, "steps": steps})
 
 
+def _moment_factor(moments: list) -> str | None:
+    """None when the stepped optimizers' exp_avg match plain Adam's, else how they
+    differ: a factor when they are one multiple of plain Adam's."""
+    pairs = [(mine.double().flatten(), plain.double().flatten()) for mine, plain in moments]
+    if all(torch.allclose(mine, plain, rtol=1e-4, atol=1e-8) for mine, plain in pairs):
+        return None
+    mine = torch.cat([m for m, _ in pairs])
+    plain = torch.cat([p for _, p in pairs])
+    factor = float(mine @ plain / (plain @ plain))
+    if abs(factor - 1) > 0.01 and torch.allclose(mine, factor * plain, rtol=1e-3, atol=1e-8):
+        return (f"Adam's first moment (exp_avg) on this rank is {factor:.3g} times plain "
+                "Adam's: the gradients Adam stepped on were not the ones step() received "
+                "(already averaged over the ranks, as under DDP)")
+    return "Adam's first moment (exp_avg) on this rank differs from plain Adam's"
+
+
 def _zero1_judge(got, expected) -> str | None:
+    if got["library"]:
+        return (f"zero1_adam returned or stepped torch's {', '.join(got['library'])} "
+                "(torch.distributed.optim): the exercise is to write ZeRO-1 yourself, "
+                "around a torch.optim.Adam for this rank's share")
     differences = [largest_abs(a - b) for a, b in zip(got["weights"], expected["weights"],
                                                    strict=True)]
-    wrong = sum(d > 1e-6 for d in differences)
+    wrong = sum(beyond(d, 1e-6) for d in differences)
+    moments = _moment_factor(got["moments"])
     if wrong:
         return (f"after {expected['steps']} steps, {wrong} of {len(differences)} parameters "
-                f"differ from plain Adam's by up to {max(differences):.2g} (expected within "
-                "1e-6)")
+                f"{'differs' if wrong == 1 else 'differ'} from plain Adam's by up to "
+                f"{float(torch.tensor(differences).max()):.2g} (expected within 1e-6)"
+                + (f"; {moments}" if moments else ""))
+    if moments:
+        return moments
     if not got["optimizers"]:
         return ("no torch.optim optimizer stepped on this rank: keep this rank's share of "
                 "Adam in a torch.optim.Adam")
@@ -106,11 +141,14 @@ def _largest_judge(got, expected) -> str | None:
         keys = sorted(got) if isinstance(got, dict) else type(got).__name__
         return f"expected a dict with the keys {list(STAGES)}, got {keys}"
     for stage in STAGES:
-        value, right = got[stage], expected[stage]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return f"{stage}: expected a number of parameters, got {type(value).__name__}"
-        if abs(value - right) > max(1.0, 1e-6 * right):
-            return f"{stage}: expected {right:,} parameters, got {value:,.0f}"
+        right = expected[stage]
+        value = as_number(got[stage])  # an int, a float, NumPy's scalar, a 1-element tensor
+        if value is None:
+            return (f"{stage}: expected a number of parameters, got "
+                    f"{type(got[stage]).__name__}")
+        if beyond(abs(value - right), max(1.0, 1e-6 * right)):
+            finite = "" if math.isfinite(value) else " (not a finite number)"
+            return f"{stage}: expected {right:,} parameters, got {value:,.0f}{finite}"
     return None
 
 
@@ -162,8 +200,8 @@ def _tp_trial(fn, input_needs_grad: bool):
 
 
 def _close(a, b) -> bool:
-    return (isinstance(a, torch.Tensor) and a.shape == b.shape
-            and torch.allclose(a, b, rtol=1e-5, atol=1e-6))
+    return (isinstance(a, torch.Tensor) and a.shape == b.shape  # any float dtype compares
+            and torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6))
 
 
 def _tp_judge(got, expected) -> str | None:
@@ -184,7 +222,8 @@ def _tp_judge(got, expected) -> str | None:
         if mine is None:
             return f"{name} got no gradient"
         if not _close(mine, right):
-            ratio = (mine.flatten() @ right.flatten() / (right.flatten() @ right.flatten()))
+            mine, right = mine.double().flatten(), right.double().flatten()
+            ratio = mine @ right / (right @ right)
             return (f"the gradient of {name} differs from the unsplit block's (about "
                     f"{ratio.item():.3g} times it)")
     if expected["x"] is not None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
 import torch
 
-from .core import Case, Exercise
+from .core import Case, Exercise, as_number, count
 
 
 class _FailsWhileSaving:
@@ -24,12 +25,20 @@ def _checkpoint_trial(fn, scenario: str):
         path = Path(folder, "checkpoint.pt")
         if scenario != "first save":
             torch.save(old, path)
-        raised = None
+        raised, rewritten = None, False
         if scenario == "a save that fails":
             try:
                 fn({**new, "broken": _FailsWhileSaving()}, path)
             except Exception as error:  # the failure must reach the caller
                 raised = type(error).__name__
+        elif scenario == "replacing a checkpoint" and os.name == "posix":
+            # an open handle keeps the old file alive, so its inode number cannot be
+            # reused: a new file renamed onto the path has another one, a file written
+            # in place keeps it (on Windows, renaming onto an open file fails: not checked)
+            with open(path, "rb") as held:
+                inode = os.fstat(held.fileno()).st_ino
+                fn(new, path)
+                rewritten = path.exists() and os.stat(path).st_ino == inode
         else:
             fn(new, path)
         try:
@@ -38,7 +47,7 @@ def _checkpoint_trial(fn, scenario: str):
             kept = "unreadable"
         files = sorted(p.name for p in Path(folder).iterdir())
     expected_state = old if scenario == "a save that fails" else new
-    got = {"state": kept, "files": files, "raised": raised}
+    got = {"state": kept, "files": files, "raised": raised, "rewritten": rewritten}
     return got, {"state": expected_state, "files": ["checkpoint.pt"],
                  "raised": "OSError" if scenario == "a save that fails" else None,
                  "scenario": scenario}
@@ -67,6 +76,10 @@ def _checkpoint_judge(got, expected) -> str | None:
     if got["files"] != expected["files"]:
         return (f"the folder holds {got['files']} afterwards, expected only "
                 f"{expected['files']}: remove what the save leaves behind")
+    if got["rewritten"]:
+        return ("checkpoint.pt holds the new state, but it was rewritten in place (the same "
+                "file, not a new one put where it was): a crash or a full disk during that "
+                "write leaves it half-written, and the previous checkpoint is gone")
     return None
 
 
@@ -75,27 +88,39 @@ def _plan_trial(fn, global_batch: int, world: int, limit: int):
         got = fn(global_batch, world, limit)
     except ValueError as error:
         got = ("ValueError", str(error))
+    task = {"global_batch": global_batch, "world": world, "limit": limit}
     if global_batch % world:
-        return got, ("ValueError", None)
+        return got, {**task, "plan": "ValueError"}
     per_rank = global_batch // world
     # the fewest accumulation steps whose micro-batch fits: the largest divisor <= limit
     micro = max(d for d in range(1, min(per_rank, limit) + 1) if per_rank % d == 0)
-    return got, (micro, per_rank // micro)
+    return got, {**task, "plan": (micro, per_rank // micro)}
 
 
 def _plan_judge(got, expected) -> str | None:
-    if expected[0] == "ValueError":
+    plan = expected["plan"]
+    if plan == "ValueError":
         if isinstance(got, tuple) and got[:1] == ("ValueError",):
             return None
         return (f"expected a ValueError (the global batch cannot be split evenly between "
                 f"the ranks), got {got!r}")
     if isinstance(got, tuple) and got[:1] == ("ValueError",):
-        return f"expected {expected}, got ValueError: {got[1]}"
+        return f"expected {plan}, got ValueError: {got[1]}"
     normalised = tuple(got) if isinstance(got, (tuple, list)) else got
-    if normalised != expected:
-        return (f"expected (micro-batch per rank, accumulation steps) = {expected}, "
-                f"got {got!r}")
-    return None
+    if normalised == plan:
+        return None
+    difference = f"expected (micro-batch per rank, accumulation steps) = {plan}, got {got!r}"
+    numbers = [as_number(v) for v in normalised] if isinstance(normalised, tuple) else []
+    if len(numbers) != 2 or None in numbers:
+        return difference
+    (micro, steps), world = numbers, expected["world"]
+    if world * micro * steps != expected["global_batch"]:
+        return (f"{difference}: world x micro-batch x steps = {world} x {micro:g} x "
+                f"{steps:g} = {world * micro * steps:g}, not {expected['global_batch']}")
+    if micro > expected["limit"]:
+        return (f"{difference}: a micro-batch of {micro:g} is more than the limit, "
+                f"{expected['limit']}")
+    return f"{difference}: more accumulation steps than needed"
 
 
 EXERCISES = [
@@ -111,9 +136,10 @@ EXERCISES = [
     Exercise(
         key="08.2", title="micro-batches and accumulation for a global batch",
         function="batch_plan",
-        cases=[Case(f"global batch {g}, {w} ranks, at most {m} samples per pass", (g, w, m))
+        cases=[Case(f"global batch {g}, {count(w, 'rank')}, at most {m} samples per pass",
+                    (g, w, m))
                for g, w, m in ((256, 2, 64), (256, 8, 32), (96, 4, 8), (120, 8, 7),
-                               (100, 3, 64), (64, 1, 64))],
+                               (100, 3, 64), (64, 1, 64), (28, 2, 6), (26, 2, 6))],
         trial=_plan_trial, judge=_plan_judge,
         hint="each rank gets global batch / world samples per step, split into equal "
              "micro-batches of at most the limit; raise ValueError when the ranks cannot "

@@ -3,7 +3,9 @@
 An :class:`Exercise` is a task with cases. For each case, its ``trial`` calls the
 reader's function, in this process (``Case.world == 0``) or inside each of
 ``Case.world`` gloo ranks started by :func:`mgpu_helpers.launch`, and returns
-``(got, expected)``; its ``judge`` returns ``None`` when they agree, else what differs.
+``(got, expected)``; its ``judge`` returns ``None`` when they agree, else what differs
+(a judge that raises, on a result of a kind it did not foresee, fails the case with
+"could not compare your result").
 A distributed case runs under a timeout: a hang is a failed case, reported as a hang,
 and the launcher stops every rank. An exception raised by the reader's code is shown as
 a traceback of the reader's frames, without the launcher's.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import numbers
 import tempfile
 import textwrap
 import traceback
@@ -87,18 +90,45 @@ class Report:
             elif outcome.detail:
                 lines.extend("        " + line for line in outcome.detail.splitlines())
             previous = outcome.detail
-        passed = sum(o.status == "pass" for o in self.outcomes)
+        passed, total = sum(o.status == "pass" for o in self.outcomes), len(self.outcomes)
         if self.passed:
-            lines.append(f"all {passed} cases passed")
+            lines.append(f"all {total} cases passed" if total > 1 else "the case passed")
         else:
-            lines.append(f"{passed} of {len(self.outcomes)} cases passed. "
+            lines.append(f"{passed} of {count(total, 'case')} passed. "
                          f"Hint: {self.exercise.hint}")
         return lines
 
 
+def count(n: int, word: str, plural: str | None = None) -> str:
+    """``n`` and ``word``, in the plural unless ``n`` is 1: "1 rank", "3 ranks"."""
+    return f"{n} {word if n == 1 else plural or word + 's'}"
+
+
 def largest_abs(tensor) -> float:
-    """The largest absolute entry of a tensor: how far apart two results are."""
+    """The largest absolute entry of a tensor: how far apart two results are (nan when
+    either has a nan)."""
     return tensor.abs().max().item()
+
+
+def beyond(difference: float, tolerance: float) -> bool:
+    """True when ``difference`` is more than ``tolerance``, or nan: ``difference >
+    tolerance`` alone is False for nan, and a result of nan would pass."""
+    return not difference <= tolerance
+
+
+def as_number(value) -> float | None:
+    """A real number the reader returned, as a float: a Python int or float, one of
+    NumPy's scalars, or a tensor of one element; None for anything else (a bool too)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Real):  # NumPy's scalars register as numbers.Real
+        return float(value)
+    import torch
+
+    if (isinstance(value, torch.Tensor) and value.numel() == 1
+            and value.dtype != torch.bool and not value.is_complex()):
+        return float(value.item())
+    return None
 
 
 def is_stub(fn: Callable) -> bool:
@@ -192,9 +222,13 @@ def run_case(exercise: Exercise, fn: Callable, case: Case) -> Outcome:
     except _ReaderError as error:
         return Outcome(case, "error", str(error))
     for index, (got, expected) in enumerate(results):
-        difference = exercise.judge(got, expected)
+        where = f"rank {index}: " if case.world else ""
+        try:
+            difference = exercise.judge(got, expected)
+        except Exception as error:  # a result of a kind the judge did not foresee
+            error_text = "".join(traceback.format_exception_only(type(error), error)).strip()
+            return Outcome(case, "fail", f"{where}could not compare your result: {error_text}")
         if difference is not None:
-            where = f"rank {index}: " if case.world else ""
             return Outcome(case, "fail", where + difference)
     return Outcome(case, "pass")
 
