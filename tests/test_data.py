@@ -3,8 +3,11 @@
 import json
 import multiprocessing
 import os
+import pickle
 import random
 import shutil
+import subprocess
+import sys
 from collections import Counter
 
 import numpy as np
@@ -19,14 +22,17 @@ from mgpu_helpers import launch
 from mgpu_helpers.data import (
     BadImageError,
     ImageDataset,
+    RandomAngles,
     load_cifar10,
     loader_generator,
     names_collate,
     pad_collate,
     prepare_digits,
     prepare_photos,
+    rank_seed,
     seed_worker,
 )
+from mgpu_helpers.data.image_folder import IMAGE_EXTENSIONS
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +135,12 @@ def test_dataset_matches_torchvision_imagefolder(digits):
         expected_image, expected_label = oracle[index]
         assert label == expected_label
         assert torch.equal(pil_to_tensor(image), pil_to_tensor(expected_image))
+
+
+def test_image_extensions_are_imagefolders():
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    assert set(IMAGE_EXTENSIONS) == set(IMG_EXTENSIONS)
 
 
 def test_dataset_ignores_non_images_and_returns_names(digits, tmp_path):
@@ -249,6 +261,50 @@ def test_loader_generator_is_reproducible_and_distinct_per_rank():
     assert order(loader_generator(5, rank=0)) != order(loader_generator(5, rank=1))
     with pytest.raises(ValueError, match="rank must be >= 0"):
         loader_generator(0, rank=-1)
+
+
+def test_rank_seed_is_the_seed_on_rank_0_and_distinct_on_the_others():
+    assert rank_seed(7, 0) == 7
+    assert len({rank_seed(7, rank) for rank in range(64)}) == 64
+    assert all(0 <= rank_seed(2**32 - 1, rank) < 2**32 for rank in range(4))  # seedable
+    assert loader_generator(7, 3).initial_seed() == rank_seed(7, 3)
+    with pytest.raises(ValueError, match="rank must be >= 0"):
+        rank_seed(0, -1)
+
+
+def angles_without_workers(rank: int, global_seed: int) -> list[float]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(global_seed)
+        loader = DataLoader(RandomAngles(), batch_size=3, generator=loader_generator(0, rank))
+        return [float(angle) for batch in loader for angle in batch]
+
+
+def test_without_workers_ranks_need_their_own_global_seed():
+    # num_workers=0: the loader's generator never reaches the augmentation
+    assert angles_without_workers(0, global_seed=0) == angles_without_workers(1, global_seed=0)
+    fixed0, fixed1 = (angles_without_workers(r, rank_seed(0, r)) for r in (0, 1))
+    assert not set(fixed0) & set(fixed1) and len(set(fixed0)) == 6
+
+
+def test_random_angles_are_global_draws_that_spawned_workers_can_unpickle():
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        first = [RandomAngles()[i] for i in range(6)]
+        torch.manual_seed(0)
+        assert [RandomAngles()[i] for i in range(6)] == first
+    assert all(-10 <= angle <= 10 for angle in first) and len(set(first)) == 6
+    assert pickle.loads(pickle.dumps(RandomAngles(4))).length == 4
+    # a spawned worker imports the class by name; in a child Python, whose multiprocessing
+    # helpers (the resource tracker) end with it
+    code = ("from torch.utils.data import DataLoader\n"
+            "from mgpu_helpers.data import RandomAngles\n"
+            "if __name__ == '__main__':\n"
+            "    loader = DataLoader(RandomAngles(4), batch_size=2, num_workers=1,\n"
+            "                        multiprocessing_context='spawn')\n"
+            "    print(sum(len(batch) for batch in loader))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "4", done.stderr
 
 
 def test_preparation_does_not_touch_the_clone_when_told_where(tmp_path, monkeypatch):

@@ -16,7 +16,8 @@ from pathlib import Path
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+# The file types torchvision's ImageFolder reads (torchvision.datasets.folder.IMG_EXTENSIONS).
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 BAD_FILE_POLICIES = ("raise", "skip")
 
 

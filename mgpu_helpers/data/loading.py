@@ -6,6 +6,7 @@ import random
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 
 def names_collate(batch):
@@ -39,21 +40,57 @@ def pad_collate(batch):
 def seed_worker(worker_id: int) -> None:
     """``worker_init_fn``: seed NumPy and ``random`` from the worker's own torch seed.
 
-    Each worker gets a distinct torch seed (the loader's base seed + worker id). Before
-    PyTorch 1.9, NumPy's state was simply copied from the parent, so every worker drew
-    the same "random" augmentations; PyTorch now seeds NumPy itself, and this function
-    keeps the rule explicit (and holds for any version). It does nothing for *ranks*:
-    two ranks whose loaders share a seed still draw identical streams, which is what
-    :func:`loader_generator` fixes.
+    Each worker's torch seed is the loader's base seed (drawn from its ``generator``) plus
+    the worker id. Before PyTorch 1.9, NumPy's state was simply copied from the parent, so
+    every worker drew the same "random" augmentations; PyTorch now seeds NumPy itself, from
+    a hash of the base seed and the worker id. This function re-seeds NumPy and ``random``
+    with the worker's torch seed (modulo 2**32): one rule for all three, on any version.
+    It does nothing for *ranks*: two ranks whose loaders share a seed still draw identical
+    streams, which is what :func:`loader_generator` fixes.
     """
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)
 
 
+def rank_seed(seed: int, rank: int) -> int:
+    """A seed for ``rank`` derived from the run's ``seed``: ``seed`` itself for rank 0, and a
+    different one for every other rank.
+
+    Pass it to :func:`mgpu_helpers.seeding.seed_everything` inside each rank: with
+    ``num_workers=0``, augmentation draws from the rank's own global generators, and ranks
+    seeded alike would apply identical augmentations. :func:`loader_generator` uses the same
+    derivation for the loader's generator (the workers' seeds).
+    """
+    if rank < 0:
+        raise ValueError(f"rank must be >= 0, got {rank}")
+    return (seed + 1_000_003 * rank) % 2**32
+
+
 def loader_generator(seed: int, rank: int = 0) -> torch.Generator:
     """A generator for ``DataLoader(generator=...)``: reproducible, and distinct per rank,
     so that ranks do not apply identical augmentations to their different samples."""
-    if rank < 0:
-        raise ValueError(f"rank must be >= 0, got {rank}")
-    return torch.Generator().manual_seed(seed + 1_000_003 * rank)
+    return torch.Generator().manual_seed(rank_seed(seed, rank))
+
+
+class RandomAngles(Dataset):
+    """``length`` samples, each the rotation angle ``RandomAffine(degrees)`` draws for it: a
+    stand-in for an augmented dataset, whose randomness is all it returns.
+
+    The angle comes from the global torch generator of the process that loads the sample
+    (a ``DataLoader`` worker, or the training process itself with ``num_workers=0``). It
+    lives in a module, not in a notebook, so that workers started by *spawn* or
+    *forkserver* can unpickle it.
+    """
+
+    def __init__(self, length: int = 6, degrees: float = 10.0):
+        from torchvision.transforms import v2  # here: importing torchvision takes a while
+
+        self.length = length
+        self.affine = v2.RandomAffine(degrees=degrees)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> float:
+        return float(self.affine.make_params([torch.empty(3, 32, 32)])["angle"])

@@ -120,9 +120,11 @@ def _resolve_start_method(start_method: str) -> str:
         raise LaunchError(
             "refusing to fork: CUDA is already initialised in this process, and forked "
             "children cannot use it. Likely cause: an earlier call such as "
-            "torch.cuda.is_available(), torch.cuda.device_count(), tensor.cuda() / "
-            ".to('cuda') or nn.DataParallel. Restart the kernel and launch before touching "
-            "CUDA (mgpu_helpers.describe() is safe), or pass start_method='spawn'."
+            "torch.cuda.is_available() (fork-safe only with PYTORCH_NVML_BASED_CUDA_CHECK=1), "
+            "tensor.cuda() / .to('cuda') or nn.DataParallel on a GPU; "
+            "torch.cuda.device_count() only where NVML cannot count the GPUs. Restart the "
+            "kernel and launch before touching CUDA (mgpu_helpers.describe() is safe), or "
+            "pass start_method='spawn'."
         )
     return start_method
 
