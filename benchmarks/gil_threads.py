@@ -43,7 +43,8 @@ def main() -> None:
         print(f"round {round_index + 1}/{args.rounds}  {name:<20} {speedup:5.2f}x", flush=True)
 
     result = threads.measure(rounds=args.rounds, repeats=args.repeats, progress=report)
-    result.update({"cpus": os.cpu_count(), "torch": torch.__version__})
+    result.update({"cpus": os.cpu_count(), "torch": torch.__version__,
+                   "intra_op_threads": torch.get_num_threads()})
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "gil_threads.json").write_text(json.dumps(result, indent=2) + "\n")
 

@@ -9,6 +9,7 @@ process that has initialised CUDA cannot fork training ranks afterwards.
 
 from __future__ import annotations
 
+import ctypes
 import html
 import json
 import os
@@ -315,16 +316,30 @@ def count_gpus() -> int:
     return len(probe_cuda().gpus)
 
 
+_CUDA_ERROR_NOT_INITIALIZED = 3
+
+
 def cuda_driver_loaded() -> bool:
-    """True if this process has loaded the CUDA driver (so forking it is unsafe).
+    """True if this process has initialised the CUDA driver (so forking it is unsafe).
 
     ``torch.cuda.is_initialized()`` misses calls such as ``torch.cuda.is_available()``
-    that load and initialise the driver without PyTorch's own lazy initialisation.
+    that initialise the driver (``cuInit``) without PyTorch's own lazy initialisation.
+    The driver's library being mapped is not enough: on a GPU node ``import torch`` maps
+    ``libcuda.so.1`` (cuBLASLt and cuSPARSELt open it when they load) without starting
+    it, and forking is still safe then. So where it is mapped, the driver itself is asked:
+    ``cuCtxGetCurrent`` answers CUDA_ERROR_NOT_INITIALIZED until ``cuInit`` has run.
     """
     if torch.cuda.is_initialized():
         return True
     try:
         with open("/proc/self/maps") as maps:
-            return any("/libcuda.so" in line for line in maps)
+            if not any("/libcuda.so" in line for line in maps):
+                return False
     except OSError:  # not Linux: only PyTorch's own flag is available
         return False
+    try:  # RTLD_NOLOAD: the library already mapped, never a second copy
+        driver = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        context = ctypes.c_void_p()
+        return driver.cuCtxGetCurrent(ctypes.byref(context)) != _CUDA_ERROR_NOT_INITIALIZED
+    except (OSError, AttributeError):  # mapped under another name: assume it started
+        return True

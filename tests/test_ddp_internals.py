@@ -1,6 +1,8 @@
 """Chapter 05's look inside DDP (mgpu_helpers.labs.ddp_internals): the backward timeline,
 uneven inputs with Join, gradient clipping with a GradScaler and with no_sync."""
 
+import os
+
 import pytest
 import torch
 
@@ -123,3 +125,13 @@ def test_changed_after_wrapping_added_is_unsynchronised_reinitialised_is_not_bro
     # one plain process runs it too
     alone = ddp_internals.changed_after_wrapping()
     assert alone["first"]["grad"].shape == first0["grad"].shape
+
+
+def test_native_stderr_silenced_drops_only_the_named_lines(capfd):
+    from mgpu_helpers.labs.native_stderr import native_stderr_silenced
+
+    with native_stderr_silenced(keep_lines_without="drop me"):
+        os.write(2, b"[W] drop me: a timestamped warning\nan error's last words\n")
+    with native_stderr_silenced():
+        os.write(2, b"all of this goes\n")
+    assert capfd.readouterr().err == "an error's last words\n"

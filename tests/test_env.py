@@ -1,7 +1,9 @@
 """The environment report: simulated GPU machines, malformed settings, CUDA left alone."""
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -186,3 +188,33 @@ def test_doctor_json_is_machine_readable():
     report = json.loads(done.stdout)
     assert report["torch"] == torch.__version__
     assert report["plan"]["backend"] in ("gloo", "cpu:gloo,cuda:nccl")
+
+
+STUB_DRIVER = """
+int cuCtxGetCurrent(void **context) { *context = 0; return STARTED ? 0 : 3; }
+int cuInit(unsigned int flags) { return 100; }  /* CUDA_ERROR_NO_DEVICE */
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("started", [False, True])
+def test_a_mapped_driver_counts_as_started_only_once_initialised(tmp_path, started):
+    # On a GPU node `import torch` maps libcuda.so.1 (cuBLASLt opens it) without cuInit:
+    # a stub driver on LD_LIBRARY_PATH stands in for it, answering as the real one would.
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build a stub libcuda.so.1")
+    source = tmp_path / "stub.c"
+    source.write_text(STUB_DRIVER)
+    subprocess.run([compiler, "-shared", "-fPIC", f"-DSTARTED={int(started)}", "-o",
+                    str(tmp_path / "libcuda.so.1"), str(source)], check=True)
+    probe = ("import torch\n"
+             "from mgpu_helpers.env import cuda_driver_loaded\n"
+             "mapped = any('/libcuda.so' in line for line in open('/proc/self/maps'))\n"
+             "print(mapped, cuda_driver_loaded())")
+    environment = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", probe], env=environment, check=True,
+                         capture_output=True, text=True).stdout.split()
+    if out[0] != "True":
+        pytest.skip("this torch build does not open libcuda.so.1 on import")
+    assert out[1] == str(started)
