@@ -22,7 +22,6 @@ from mgpu_helpers import launch
 from mgpu_helpers.data import (
     BadImageError,
     ImageDataset,
-    RandomAngles,
     load_cifar10,
     loader_generator,
     names_collate,
@@ -33,6 +32,7 @@ from mgpu_helpers.data import (
     seed_worker,
 )
 from mgpu_helpers.data.image_folder import IMAGE_EXTENSIONS
+from mgpu_helpers.labs.augmentation_seeds import RandomAngles
 
 
 @pytest.fixture(scope="module")
@@ -297,7 +297,7 @@ def test_random_angles_are_global_draws_that_spawned_workers_can_unpickle():
     # a spawned worker imports the class by name; in a child Python, whose multiprocessing
     # helpers (the resource tracker) end with it
     code = ("from torch.utils.data import DataLoader\n"
-            "from mgpu_helpers.data import RandomAngles\n"
+            "from mgpu_helpers.labs.augmentation_seeds import RandomAngles\n"
             "if __name__ == '__main__':\n"
             "    loader = DataLoader(RandomAngles(4), batch_size=2, num_workers=1,\n"
             "                        multiprocessing_context='spawn')\n"

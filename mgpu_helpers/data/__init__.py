@@ -2,17 +2,10 @@
 
 from .embedded import data_dir, digit_image, load_cifar10, prepare_digits, prepare_photos
 from .image_folder import BadImageError, ImageDataset, load_rgb
-from .loading import (
-    RandomAngles,
-    loader_generator,
-    names_collate,
-    pad_collate,
-    rank_seed,
-    seed_worker,
-)
+from .loading import loader_generator, names_collate, pad_collate, rank_seed, seed_worker
 
 __all__ = [
-    "BadImageError", "ImageDataset", "RandomAngles", "data_dir", "digit_image", "load_cifar10",
-    "load_rgb", "loader_generator", "names_collate", "pad_collate", "prepare_digits",
-    "prepare_photos", "rank_seed", "seed_worker",
+    "BadImageError", "ImageDataset", "data_dir", "digit_image", "load_cifar10", "load_rgb",
+    "loader_generator", "names_collate", "pad_collate", "prepare_digits", "prepare_photos",
+    "rank_seed", "seed_worker",
 ]

@@ -6,7 +6,6 @@ import random
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
 
 def names_collate(batch):
@@ -71,26 +70,3 @@ def loader_generator(seed: int, rank: int = 0) -> torch.Generator:
     """A generator for ``DataLoader(generator=...)``: reproducible, and distinct per rank,
     so that ranks do not apply identical augmentations to their different samples."""
     return torch.Generator().manual_seed(rank_seed(seed, rank))
-
-
-class RandomAngles(Dataset):
-    """``length`` samples, each the rotation angle ``RandomAffine(degrees)`` draws for it: a
-    stand-in for an augmented dataset, whose randomness is all it returns.
-
-    The angle comes from the global torch generator of the process that loads the sample
-    (a ``DataLoader`` worker, or the training process itself with ``num_workers=0``). It
-    lives in a module, not in a notebook, so that workers started by *spawn* or
-    *forkserver* can unpickle it.
-    """
-
-    def __init__(self, length: int = 6, degrees: float = 10.0):
-        from torchvision.transforms import v2  # here: importing torchvision takes a while
-
-        self.length = length
-        self.affine = v2.RandomAffine(degrees=degrees)
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> float:
-        return float(self.affine.make_params([torch.empty(3, 32, 32)])["angle"])
