@@ -8,12 +8,18 @@ import psutil
 import pytest
 
 
+def _is_resource_tracker(process: psutil.Process) -> bool:
+    """multiprocessing's resource tracker: started by the first spawned child, it serves
+    this test process until it exits. It is not a rank or a worker left behind."""
+    return any("multiprocessing.resource_tracker" in part for part in process.cmdline())
+
+
 def child_pids() -> list[int]:
     """Live (non-zombie) processes whose parent is this test process (Linux and macOS)."""
     found = []
     for child in psutil.Process().children(recursive=False):
         try:
-            if child.status() != psutil.STATUS_ZOMBIE:
+            if child.status() != psutil.STATUS_ZOMBIE and not _is_resource_tracker(child):
                 found.append(child.pid)
         except psutil.NoSuchProcess:
             continue

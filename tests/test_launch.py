@@ -260,6 +260,43 @@ def test_killed_rank_is_reported_with_signal_name():
         launch(rank1_dies, "kill", nprocs=2, timeout=30)
 
 
+def after_the_group_ends(action):
+    """Runs `action` on a thread once the launcher has destroyed this rank's group, that
+    is after the rank's result was sent back: the rank's process is then ending."""
+    def wait_then_act():
+        while dist.is_initialized():
+            time.sleep(0.01)
+        action()
+    threading.Thread(target=wait_then_act).start()  # not a daemon: the rank waits for it
+
+
+def rank1_aborts_after_returning():
+    if mh.rank() == 1:
+        after_the_group_ends(os.abort)
+    return mh.rank()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_crash_after_returning_is_reported_not_swallowed(method):
+    # The launcher used to fail on this with "min() arg is an empty sequence".
+    with pytest.raises(LaunchError, match=r"^rank 1 returned its result, then was killed "
+                                          r"by signal SIGABRT as its process ended"):
+        launch(rank1_aborts_after_returning, nprocs=2, timeout=30, start_method=method)
+
+
+def rank_writes_after_returning(path):
+    marker = Path(f"{path}.{mh.rank()}")  # mh.rank() says 0 once the group has ended
+    after_the_group_ends(lambda: marker.write_text("done"))
+    return mh.rank()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_rank_waits_for_its_threads_before_ending(method, tmp_path):
+    assert launch(rank_writes_after_returning, str(tmp_path / "marker"), nprocs=2,
+                  return_all=True, start_method=method) == [0, 1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["marker.0", "marker.1"]
+
+
 def rank1_hangs(path: str):
     if mh.rank() == 1:
         def record(signum, frame):

@@ -73,7 +73,9 @@ def _failure_message(ranks: list[_Rank]) -> str:
     # and was not stopped by the launcher; else whatever failed first. An error that only
     # says a peer went away is the echo of another rank's death: it comes last. Ranks'
     # clocks are compared with ranks' clocks, exits noticed by the launcher with each other.
-    failures = [r for r in ranks if not (r.outcome and r.outcome[0] == "ok")]
+    # A rank that returned its value and then crashed while its process ended failed too.
+    failures = [r for r in ranks
+                if not (r.outcome and r.outcome[0] == "ok") or r.process.exitcode != 0]
     errors = [r for r in failures if r.outcome and r.outcome[0] == "error"]
     genuine = [r for r in errors if not _is_collateral(r.outcome[1])]
     died = [r for r in failures if r not in errors and not r.stopped]
@@ -90,7 +92,10 @@ def _failure_message(ranks: list[_Rank]) -> str:
     else:
         head = f"rank {root.index} {root.describe_end()}"
         code = root.process.exitcode
-        if code is not None and code > 0:
+        if root.outcome is not None:  # ("ok", ...): the work was done
+            head += (" (a crash in native code as the process ended, after the work: "
+                     "its output above may say where)")
+        elif code is not None and code > 0:
             head += " (os._exit, sys.exit or a crash in native code)"
         elif code is not None and -code == signal.SIGKILL:
             head += " (killed from outside: often the out-of-memory killer)"

@@ -82,8 +82,10 @@ class _Rank:
             return f"{report['type']}: {_first_line(report['message'])}"
         if code is None:
             return "still running"
-        if code < 0:
-            return f"killed by signal {signal.Signals(-code).name}"
+        killed = f"killed by signal {signal.Signals(-code).name}" if code < 0 else None
         if self.outcome is None:
-            return f"exited with code {code} without returning a result"
+            return killed or f"exited with code {code} without returning a result"
+        if code != 0:  # it returned its value, then its process did not end cleanly
+            how = f"was {killed}" if killed else f"exited with code {code}"
+            return f"returned its result, then {how} as its process ended"
         return "finished normally"

@@ -10,6 +10,7 @@ import pickle
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -144,10 +145,10 @@ def _report_exception(exc: BaseException, rank: int, phase: str) -> dict:
     }
 
 
-# A launched rank's process ends right after its group (multiprocessing leaves with
-# os._exit). destroy_process_group() shuts every backend down (NCCL communicators too),
-# but the destroyed gloo group's destructor then takes about 20 ms to join its threads
-# and close its sockets: a rank holds the group here instead, and the exit frees it.
+# A launched rank's process ends right after its group, with os._exit (see _end_rank).
+# destroy_process_group() shuts every backend down (NCCL communicators too), but the
+# destroyed gloo group's destructor then takes about 20 ms to join its threads and close
+# its sockets: a rank holds the group here instead, and the exit frees it.
 _ENDED_GROUPS: list = []
 
 
@@ -185,6 +186,31 @@ def _rank_main(rank, spec, work, listener, result_conn, stdout_conn, stderr_conn
         try:
             _finish_group(clean=False, process_ends=True)
         finally:
-            sys.exit(1)
+            _end_rank(1)
     result_conn.send_bytes(pickle.dumps(("ok", payload)))
     _finish_group(clean=True, process_ends=True)
+    _end_rank(0)
+
+
+def _end_rank(code: int) -> None:
+    """End the rank's process the same way under fork and spawn: wait for the threads the
+    work left running (as multiprocessing does), flush, then ``os._exit``.
+
+    A forked multiprocessing child always leaves with ``os._exit``; a spawned one with
+    ``sys.exit``, which finalizes the interpreter while gloo's worker threads still run.
+    A worker thread that then touches a Python object (a tensor of its last collective)
+    cannot take the GIL any more, and the process aborts with "terminate called without
+    an active exception" after it has returned its result: one spawn launch in 40 did,
+    on two cores under load. Nothing of the rank's work is lost by skipping finalization:
+    its result and output are already sent, and the launcher kills what it left behind.
+    """
+    main = threading.main_thread()
+    for thread in threading.enumerate():
+        if thread is not main and not thread.daemon:
+            thread.join()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing left to say
+            pass
+    os._exit(code)
