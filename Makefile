@@ -15,7 +15,7 @@ LAB_PORT ?= 8888
 LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .PHONY: venv lab test unit-then-browser nbval-then-harness check lint unit nbval nbval-kernels browser gpu-check gpu-wheels notebooks \
-  nav bench figures screenshots pins clean
+  nav bench bench-store figures screenshots pins clean
 
 venv: $(STAMP)
 
@@ -131,9 +131,18 @@ notebooks: $(STAMP)
 nav: $(STAMP)
 	$(BIN)/python tools/chapters.py nav notebooks
 
+# Every benchmark, one after the other, into runs/bench/ (MGPU_BENCH_DIR=dir to change):
+# benchmarks/results/ keeps the stored runs that the chapters check and the README quotes
+# (see benchmarks/results_dir.py). bench-store renews those, on the reference machine, idle.
+BENCH_SCRIPTS := $(filter-out benchmarks/results_dir.py,$(wildcard benchmarks/*.py))
+
 bench: $(STAMP)
-	@for script in benchmarks/*.py; do echo "== $$script"; \
+	@for script in $(BENCH_SCRIPTS); do echo "== $$script"; \
 	  $(WITH_NB_ENV) $(BIN)/python $$script || exit 1; done
+	@echo "results: $${MGPU_BENCH_DIR:-runs/bench}/ (the stored runs: benchmarks/results/)"
+
+bench-store:
+	@$(MAKE) --no-print-directory bench MGPU_BENCH_DIR=$(CURDIR)/benchmarks/results
 
 # The README's pictures: plots drawn by the workbook's code, and JupyterLab screenshots
 # taken by the browser test (which needs Chromium).

@@ -8,7 +8,7 @@ gradient_as_bucket_view, static_graph, gradient accumulation x4 (`mgpu_helpers.l
 counterbalanced order, and "all on" twice (the A/A control); the noise band is the
 largest disagreement of the two "all on" runs in any round, and a variant gets a verdict
 ("pays", "costs") only when it lies outside the band, on the same side, in every round.
-Writes benchmarks/results/ablation.{json,png}.
+Writes ablation.{json,png}.
 Run: `make bench` or `python benchmarks/ablation.py --rounds 7`.
 """
 
@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import time
-from pathlib import Path
 
 import matplotlib
 
@@ -28,7 +27,9 @@ import torch  # noqa: E402
 
 from mgpu_helpers.labs import ablation  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from results_dir import results_dir  # noqa: E402
+
+RESULTS = results_dir()  # runs/bench/ unless MGPU_BENCH_DIR says otherwise
 
 
 def main() -> None:
@@ -52,7 +53,6 @@ def main() -> None:
     result.update({"seconds": round(time.perf_counter() - started, 1),
                    "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
                    "cpus": os.cpu_count(), "torch": torch.__version__})
-    RESULTS.mkdir(exist_ok=True)
     (RESULTS / "ablation.json").write_text(json.dumps(result, indent=2) + "\n")
     ax = ablation.plot(result)
     ax.figure.savefig(RESULTS / "ablation.png", dpi=120, bbox_inches="tight")

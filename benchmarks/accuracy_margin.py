@@ -6,7 +6,7 @@ run for several seeds under each of PyTorch's CPU kernel sets (`ATEN_CPU_CAPABIL
 this machine's best, `avx2`, `default`, which stand in for other CPUs), each set in a
 fresh process since PyTorch reads the variable once at start, and reports the lowest
 accuracy against the threshold.
-Writes benchmarks/results/accuracy_margin.json.
+Writes accuracy_margin.json.
 Run: `make bench` or `python benchmarks/accuracy_margin.py --seeds 0 1 2`.
 """
 
@@ -17,9 +17,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from results_dir import results_dir
+
+RESULTS = results_dir()  # runs/bench/ unless MGPU_BENCH_DIR says otherwise
 THRESHOLD = 0.90  # chapter 05's assert
 CAPABILITIES = ("best", "avx2", "default")
 
@@ -67,7 +68,6 @@ def main() -> None:
     lowest = min(row["accuracy"] for rows in results.values() for row in rows)
     summary = {"threshold": THRESHOLD, "ranks": args.ranks, "seeds": args.seeds,
                "results": results, "lowest": lowest, "margin": lowest - THRESHOLD}
-    RESULTS.mkdir(exist_ok=True)
     (RESULTS / "accuracy_margin.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"lowest test accuracy {lowest:.1%} over {len(args.seeds)} seeds x "
           f"{len(results)} kernel sets; threshold {THRESHOLD:.0%}, margin "

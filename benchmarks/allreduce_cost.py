@@ -5,7 +5,7 @@ On 2 gloo CPU ranks: `dist.all_reduce` timed for float32 tensors of 64 B to 64 M
 bandwidth fitted to those times; then the model predicts the all-reduce of the seed CNN's
 gradients as DDP buckets them (its default 25 MB cap, read from DDP itself), and that
 all-reduce is measured. Chapter 03 checks the stored run: the prediction within 25% of
-the measurement. Writes benchmarks/results/allreduce_cost.{json,png}.
+the measurement. Writes allreduce_cost.{json,png}.
 Run: `make bench` or `python benchmarks/allreduce_cost.py --repeats 5`.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
 
 import matplotlib
 
@@ -25,7 +24,9 @@ import torch  # noqa: E402
 from mgpu_helpers import launch  # noqa: E402
 from mgpu_helpers.labs import ablation, collectives  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from results_dir import results_dir  # noqa: E402
+
+RESULTS = results_dir()  # runs/bench/ unless MGPU_BENCH_DIR says otherwise
 WORLD = 2
 
 
@@ -51,7 +52,6 @@ def main() -> None:
         "alpha_s": alpha, "bandwidth_bytes_per_s": bandwidth, "bucket_bytes": buckets,
         "predicted_s": predicted, "measured_s": measured,
     }
-    RESULTS.mkdir(exist_ok=True)
     (RESULTS / "allreduce_cost.json").write_text(json.dumps(result, indent=2) + "\n")
 
     fig, ax = plt.subplots(figsize=(6.5, 3.8))

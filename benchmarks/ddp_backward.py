@@ -5,7 +5,7 @@ On 2 gloo CPU ranks, in one run: the all-reduce cost model of chapter 03 fitted 
 with nothing else running; then DDP training steps whose communication hook times each
 bucket's all-reduce inside backward (`mgpu_helpers.labs.ddp_internals.backward_timeline`),
 and the same steps with a hook that exchanges nothing. Chapter 05 checks its claims about
-overlap on the stored run. Writes benchmarks/results/ddp_backward.{json,png}.
+overlap on the stored run. Writes ddp_backward.{json,png}.
 Run: `make bench` or `python benchmarks/ddp_backward.py --steps 12`.
 """
 
@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import statistics
-from pathlib import Path
 
 import matplotlib
 
@@ -26,7 +25,9 @@ import torch  # noqa: E402
 from mgpu_helpers import launch  # noqa: E402
 from mgpu_helpers.labs import collectives, ddp_internals  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from results_dir import results_dir  # noqa: E402
+
+RESULTS = results_dir()  # runs/bench/ unless MGPU_BENCH_DIR says otherwise
 WORLD = 2
 WARM_UP_STEPS = 2  # DDP rebuilds its buckets after the first step
 
@@ -79,7 +80,6 @@ def main() -> None:
         "alone_s": alone,
         "with_exchange": with_exchange, "without_exchange": without,
     }
-    RESULTS.mkdir(exist_ok=True)
     (RESULTS / "ddp_backward.json").write_text(json.dumps(result, indent=2) + "\n")
 
     fig, ax = plt.subplots(figsize=(7, 3.2))

@@ -17,7 +17,7 @@ baseline having the same accumulation. The setups take turns, round after round;
 ratio is taken within each round and the median over the rounds is reported, because
 this shared machine's speed drifts by 20% over minutes. Targets: efficiency >= 0.95,
 and 2 DDP ranks faster than 1 rank with 2 threads.
-Writes benchmarks/results/ddp_scaling.{json,png}.
+Writes ddp_scaling.{json,png}.
 Run: `make bench` or `python benchmarks/ddp_scaling.py --repeats 5`.
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
 
 import matplotlib
 
@@ -36,7 +35,9 @@ import torch  # noqa: E402
 
 from mgpu_helpers.labs import scaling  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from results_dir import results_dir  # noqa: E402
+
+RESULTS = results_dir()  # runs/bench/ unless MGPU_BENCH_DIR says otherwise
 
 
 def main() -> None:
@@ -66,7 +67,6 @@ def main() -> None:
             row["label"]: row["samples_per_s"] > two_threads["samples_per_s"]
             for row in ddp_rows},
     })
-    RESULTS.mkdir(exist_ok=True)
     (RESULTS / "ddp_scaling.json").write_text(json.dumps(result, indent=2) + "\n")
     ax = scaling.plot(result)
     ax.figure.tight_layout()

@@ -5,7 +5,7 @@ calling process (a notebook kernel that later forks ranks) never initialises CUD
 alternative a user would write is `torch.cuda.is_available()` / `device_count()` /
 `get_device_properties()` in the kernel itself: fast, but on a GPU machine it
 initialises the driver and poisons later forks. This benchmark measures both in one
-run and writes benchmarks/results/describe_probe_cost.{json,png}.
+run and writes describe_probe_cost.{json,png}.
 
 Run: `make bench` (or `python benchmarks/describe_probe_cost.py --repeats 5`).
 """
@@ -16,7 +16,6 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import matplotlib
 
@@ -26,7 +25,9 @@ import torch  # noqa: E402
 
 from mgpu_helpers import describe  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from results_dir import results_dir  # noqa: E402
+
+RESULTS = results_dir()  # runs/bench/ unless MGPU_BENCH_DIR says otherwise
 
 
 def in_process_queries() -> int:
@@ -70,7 +71,6 @@ def main() -> None:
         "ratio_probe_over_in_process": probe_median / max(direct_median, 1e-9),
         "cuda_initialised_by_describe": cuda_touched_by_describe,
     }
-    RESULTS.mkdir(exist_ok=True)
     (RESULTS / "describe_probe_cost.json").write_text(json.dumps(result, indent=2) + "\n")
 
     fig, ax = plt.subplots(figsize=(6, 3))

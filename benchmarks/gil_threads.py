@@ -6,7 +6,7 @@ layers (Python, under the GIL, dominates). Both networks run a forward pass of b
 split over 1 and 2 threads (`mgpu_helpers.labs.threads`), in turns, round after round;
 the speed-up is 1-thread time / 2-thread time, the median over the rounds is reported.
 Expected on an idle machine with 2 free cores: the CNN close to 2x, the MLP at most 1x.
-Writes benchmarks/results/gil_threads.{json,png}.
+Writes gil_threads.{json,png}.
 Run: `make bench` or `python benchmarks/gil_threads.py --rounds 5`.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
 
 import matplotlib
 
@@ -25,7 +24,9 @@ import torch  # noqa: E402
 
 from mgpu_helpers.labs import threads  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from results_dir import results_dir  # noqa: E402
+
+RESULTS = results_dir()  # runs/bench/ unless MGPU_BENCH_DIR says otherwise
 
 
 def main() -> None:
@@ -45,7 +46,6 @@ def main() -> None:
     result = threads.measure(rounds=args.rounds, repeats=args.repeats, progress=report)
     result.update({"cpus": os.cpu_count(), "torch": torch.__version__,
                    "intra_op_threads": torch.get_num_threads()})
-    RESULTS.mkdir(exist_ok=True)
     (RESULTS / "gil_threads.json").write_text(json.dumps(result, indent=2) + "\n")
 
     fig, ax = plt.subplots(figsize=(6, 2.8))

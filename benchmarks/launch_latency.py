@@ -14,7 +14,7 @@ barrier and returns; the time is measured from the call to its return:
   more slowly, so Fabric runs last, and `launch` runs once more after it: the pair
   compared like for like.
 
-Writes benchmarks/results/launch_latency.{json,png}. Run: `make bench`, or
+Writes launch_latency.{json,png}. Run: `make bench`, or
 `python benchmarks/launch_latency.py --repeats 10`.
 """
 
@@ -29,7 +29,6 @@ import socket
 import statistics
 import time
 import uuid
-from pathlib import Path
 
 import matplotlib
 
@@ -42,11 +41,13 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # noqa:
 
 from mgpu_helpers import launch  # noqa: E402
 
+from results_dir import results_dir  # noqa: E402
+
 # Optional (the `bench` extra). Imported only when its turn comes, last: a process that
 # has imported Lightning is bigger, and every later fork (and spawned import) pays for it.
 HAVE_FABRIC = importlib.util.find_spec("lightning") is not None
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = results_dir()  # runs/bench/ unless MGPU_BENCH_DIR says otherwise
 TIMEOUT = datetime.timedelta(seconds=30)
 
 
@@ -167,7 +168,6 @@ def main() -> None:
                                  if "Fabric ddp_fork" in medians else None),
         "targets_met": targets,
     }
-    RESULTS.mkdir(exist_ok=True)
     (RESULTS / "launch_latency.json").write_text(json.dumps(result, indent=2) + "\n")
 
     fig, ax = plt.subplots(figsize=(7, 0.55 * len(medians) + 1))

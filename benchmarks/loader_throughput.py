@@ -9,7 +9,7 @@ Two loaders over the digits training set with chapter 02's augmentation:
 
 For each: images/s when only loading, and the data-wait fraction while training the
 seed CNN (time the loop spends waiting for the next batch / total step time).
-Writes benchmarks/results/loader_throughput.{json,png}.
+Writes loader_throughput.{json,png}.
 Run: `make bench` or `python benchmarks/loader_throughput.py --steps 20`.
 """
 
@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import matplotlib
 
@@ -35,7 +34,9 @@ from mgpu_helpers.data import ImageDataset, loader_generator, prepare_digits, se
 from mgpu_helpers.env import count_gpus  # noqa: E402
 from mgpu_helpers.models import SeedCNN  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from results_dir import results_dir  # noqa: E402
+
+RESULTS = results_dir()  # runs/bench/ unless MGPU_BENCH_DIR says otherwise
 BATCH = 64
 
 
@@ -113,7 +114,6 @@ def main() -> None:
         del loader
     tuned = result["loaders"]["tuned"]
     result["target_tuned_wait_at_most_5pct"] = tuned["data_wait_fraction"] <= 0.05
-    RESULTS.mkdir(exist_ok=True)
     (RESULTS / "loader_throughput.json").write_text(json.dumps(result, indent=2) + "\n")
 
     fig, (ax_rate, ax_wait) = plt.subplots(1, 2, figsize=(9, 3))

@@ -9,7 +9,7 @@ Adam state and bucket buffers held after a step, against the formula (target: wi
 5%); the most bytes allocated on top of them in the forward pass, the backward pass and
 the optimizer step (torch.profiler's memory events); the collectives of the step and
 their volume in units of the parameter count (flight recorder). Chapter 07 checks the
-stored run. Writes benchmarks/results/memory_by_strategy.{json,png}.
+stored run. Writes memory_by_strategy.{json,png}.
 Run: `make bench` or `python benchmarks/memory_by_strategy.py`.
 """
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from pathlib import Path
 
 import matplotlib
 
@@ -29,7 +28,9 @@ import torch  # noqa: E402
 from mgpu_helpers import launch  # noqa: E402
 from mgpu_helpers.labs import memory  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from results_dir import results_dir  # noqa: E402
+
+RESULTS = results_dir()  # runs/bench/ unless MGPU_BENCH_DIR says otherwise
 WORLD = 2
 MiB = 2**20
 HELD = ("parameters", "gradients", "optimizer state", "bucket buffers")
@@ -70,7 +71,6 @@ def main() -> None:
                                        for a, b in zip(weights, reference, strict=True))
     result = {"world": WORLD, "cpus": os.cpu_count(), "torch": torch.__version__,
               "phases": list(memory.PHASES), "rows": rows}
-    RESULTS.mkdir(exist_ok=True)
     (RESULTS / "memory_by_strategy.json").write_text(json.dumps(result, indent=2) + "\n")
 
     print(f"{'strategy':<26} {'ckpt':>4} " + " ".join(f"{k[:11]:>11}" for k in HELD)

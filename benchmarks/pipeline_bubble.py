@@ -23,7 +23,7 @@ The model is `mgpu_helpers.labs.gpipe.pipeline_convnet` (9 convolutions of 64 ch
    wall time, CPU time and page faults; by default, with the allocator keeping the memory
    it frees, and with one core taken by another process.
 
-Writes benchmarks/results/pipeline_bubble.{json,png}.
+Writes pipeline_bubble.{json,png}.
 Run: `make bench` or `python benchmarks/pipeline_bubble.py` (about 2 minutes on 2 cores).
 """
 
@@ -34,7 +34,6 @@ import json
 import multiprocessing as mp
 import os
 import time
-from pathlib import Path
 
 import matplotlib
 
@@ -45,7 +44,9 @@ import torch  # noqa: E402
 from mgpu_helpers import pipeline_parallel as pp  # noqa: E402
 from mgpu_helpers.labs import gpipe  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from results_dir import results_dir  # noqa: E402
+
+RESULTS = results_dir()  # runs/bench/ unless MGPU_BENCH_DIR says otherwise
 COUNTS = (1, 2, 4, 8, 16)
 SCHEDULE_COUNTS = (2, 4, 8, 16)
 OVERLAP_COUNTS = (8, 16)
@@ -242,7 +243,6 @@ def main() -> None:
                              for m, row in value.items()}
                             for key, value in schedule.items()},
               "overlap_rounds": rounds, "first_backward": backward}
-    RESULTS.mkdir(exist_ok=True)
     (RESULTS / "pipeline_bubble.json").write_text(json.dumps(output, indent=2) + "\n")
     plot(table, result, schedule, rounds, backward)
     interleaved = schedule["interleaved"][8]

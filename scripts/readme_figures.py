@@ -9,7 +9,7 @@
   on 2 ranks, with and without ``set_epoch``, drawn by ``mgpu_helpers.viz.sampler_partitions`` from
   orders that 2 real ranks drew (``mgpu_helpers.launch``).
 
-The scaling chart and the pipeline's Gantt chart come from ``make bench``
+The scaling chart and the pipeline's Gantt chart come from ``make bench-store``
 (``benchmarks/results/ddp_scaling.png``, ``pipeline_bubble.png``); the JupyterLab
 screenshots from the browser test (``make screenshots``).
 """
