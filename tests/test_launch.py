@@ -465,6 +465,49 @@ def test_launch_inside_a_rank_is_refused():
         launch(launch_inside, nprocs=1)
 
 
+# ------------------------------------------------------------------- under spawn
+# On a GPU node launch spawns once the notebook has initialised CUDA (a forked rank could
+# not use the GPU): ranks start from a fresh interpreter, the function reaches them by
+# cloudpickle, and they end differently (see rank_side._end_rank). The rest of this file
+# forks; these run the main paths again under spawn, on CPU ranks.
+
+
+def report_and_return_a_tensor():
+    print(f"hello from {mh.rank()}")
+    value = torch.tensor([float(mh.rank() + 1)])
+    dist.all_reduce(value)
+    return {**where_am_i(), "sum": value * torch.ones(2, requires_grad=True)}
+
+
+@pytest.mark.slow
+def test_under_spawn_values_output_and_tensors_come_back(capfd):
+    values = launch(report_and_return_a_tensor, nprocs=2, return_all=True,
+                    start_method="spawn")
+    assert [(v["rank"], v["world"], v["device"], v["threads"]) for v in values] == [
+        (0, 2, "cpu", 1), (1, 2, "cpu", 1)]
+    assert all(v["sum"].tolist() == [3.0, 3.0] and not v["sum"].requires_grad
+               for v in values)
+    out = capfd.readouterr().out
+    assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out
+
+
+@pytest.mark.slow
+def test_under_spawn_failures_are_reported_as_under_fork():
+    with pytest.raises(LaunchError) as caught:
+        launch(rank1_raises_while_rank0_waits, nprocs=2, timeout=30, start_method="spawn")
+    assert str(caught.value).startswith("rank 1 failed: ValueError: boom")
+    assert 'raise ValueError("boom")' in str(caught.value)  # the rank's own traceback
+    with pytest.raises(LaunchError, match=r"^rank 1 exited with code 3 without returning"):
+        launch(rank1_dies, "exit", nprocs=2, timeout=30, start_method="spawn")
+
+
+@pytest.mark.slow
+def test_under_spawn_max_restarts_starts_every_rank_again():
+    values = launch(fails_on_the_first_attempt, nprocs=2, max_restarts=1, return_all=True,
+                    start_method="spawn")
+    assert values == [(0, 1, 1), (1, 1, 1)]
+
+
 # ------------------------------------------------------------------------- ports
 
 
