@@ -286,6 +286,7 @@ def test_without_workers_ranks_need_their_own_global_seed():
     assert not set(fixed0) & set(fixed1) and len(set(fixed0)) == 6
 
 
+@pytest.mark.slow  # a child Python that spawns DataLoader workers
 def test_random_angles_are_global_draws_that_spawned_workers_can_unpickle():
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

@@ -141,8 +141,11 @@ def test_as_number_takes_numpy_scalars_and_one_element_tensors():
     assert not core.beyond(1.0, 1.0)
 
 
-MISTAKES = [(key, index) for key, exercise in EXERCISES.items()
-            for index in range(len(solutions(exercise.chapter).MISTAKES.get(key, [])))]
+# a mistake that hangs waits for the whole (quick) timeout: `slow`, out of `make check`
+MISTAKES = [pytest.param(key, index, marks=[pytest.mark.slow] if status == "hang" else [])
+            for key, exercise in EXERCISES.items()
+            for index, (_, status, _) in enumerate(
+                solutions(exercise.chapter).MISTAKES.get(key, []))]
 
 
 @pytest.mark.parametrize(("key", "index"), MISTAKES)
@@ -156,6 +159,7 @@ def test_each_plausible_mistake_fails_and_says_why(key, index):
     assert phrase in text and "Hint: " in text
 
 
+@pytest.mark.slow  # waits for the timeout
 def test_a_hang_stops_every_rank_and_skips_the_remaining_cases():
     wrong = solutions("03").ring_all_reduce_everyone_sends_first
     report = core.evaluate(quick(EXERCISES["03.1"]), wrong)
