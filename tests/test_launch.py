@@ -270,6 +270,19 @@ def after_the_group_ends(action):
     threading.Thread(target=wait_then_act).start()  # not a daemon: the rank waits for it
 
 
+@pytest.mark.slow
+def test_what_native_code_printed_is_not_lost_when_a_rank_ends():
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    done = subprocess.run([sys.executable, str(SCRIPTS / "native_output.py")],
+                          capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    for method in ("fork", "spawn"):
+        block = lines[:lines.index(f"{method} done")]
+        assert {"[rank 0] native hello from 0", "[rank 1] native hello from 1"} <= set(block)
+        lines = lines[len(block) + 1:]
+
+
 def rank1_aborts_after_returning():
     if mh.rank() == 1:
         after_the_group_ends(os.abort)

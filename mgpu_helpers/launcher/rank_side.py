@@ -213,4 +213,16 @@ def _end_rank(code: int) -> None:
             stream.flush()
         except (OSError, ValueError):  # a closed or broken pipe: nothing left to say
             pass
+    _flush_c_streams()  # os._exit would drop what native code printf'd and C buffered
     os._exit(code)
+
+
+def _flush_c_streams() -> None:
+    """``fflush(NULL)``: write out every C stdio buffer of this process. On a pipe, C's
+    stdout is fully buffered, and ``exit()`` would flush it, ``os._exit`` does not."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # no C library to ask (not on Linux or macOS)
+        pass
