@@ -42,7 +42,7 @@ def digests(folder: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_a_benchmark_run_leaves_the_stored_runs_alone(tmp_path):
+def test_a_benchmark_writes_where_mgpu_bench_dir_says_and_not_over_the_stored_runs(tmp_path):
     stored = digests(results_dir.STORED)
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "gil_threads.py"), "--rounds", "1", "--repeats", "1"],

@@ -215,6 +215,26 @@ def test_a_rank_that_died_is_blamed_over_the_peer_that_saw_its_connection_reset(
     assert message.startswith("rank 0 failed: RuntimeError: Read error")
 
 
+def test_a_rank_that_died_is_blamed_over_a_peer_that_returned_then_failed_to_end():
+    # rank 1 called os._exit(3) while rank 0, done, was in its final barrier: that barrier
+    # failed (exit code 1), and the launcher may notice rank 0's exit first
+    returned = rank_process._Rank(0, SimpleNamespace(exitcode=1), None, None, None,
+                                  outcome=("ok", b""), exited_at=10.0)
+    died = rank_process._Rank(1, SimpleNamespace(exitcode=3), None, None, None,
+                              exited_at=10.1)
+    message = failure._failure_message([returned, died])
+    assert message.startswith("rank 1 exited with code 3 without returning a result")
+    assert "rank 0: returned its result, then exited with code 1 as its process ended" in message
+    alone = failure._failure_message([returned, rank_process._Rank(
+        1, SimpleNamespace(exitcode=0), None, None, None, outcome=("ok", b""))])
+    assert alone.startswith("rank 0 returned its result, then exited with code 1 as its "
+                            "process ended (an error while its process ended")
+    stopped = rank_process._Rank(0, SimpleNamespace(exitcode=-15), None, None, None,
+                                 outcome=("ok", b""), stopped=True)
+    assert stopped.describe_end() == ("returned its result, then was stopped by the "
+                                      "launcher as it ended")
+
+
 def peer_gives_up_first():
     # rank 1 sees the connection close (collateral); rank 0's own error comes a moment later
     if mh.rank() == 1:
@@ -270,6 +290,33 @@ def after_the_group_ends(action):
     threading.Thread(target=wait_then_act).start()  # not a daemon: the rank waits for it
 
 
+_KEPT = []  # what a rank's work leaves alive after it returns
+
+
+def rank_keeps_a_thread_pool_and_a_finalizer(path):
+    import multiprocessing.util
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1)
+    pool.submit(time.sleep, 0.05)
+    marker = Path(f"{path}.{mh.rank()}")
+    _KEPT.append(pool)  # its worker thread waits for work until the pool is shut down
+    multiprocessing.util.Finalize(pool, marker.write_text, args=("finalized",),
+                                  exitpriority=0)
+    return mh.rank()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_rank_ends_as_multiprocessing_ends_a_process(method, tmp_path):
+    # A thread pool still referenced when the work returns is shut down (it hung the rank
+    # until join_timeout), and multiprocessing's finalizers run (they terminate daemonic
+    # children such as DataLoader workers)
+    values = launch(rank_keeps_a_thread_pool_and_a_finalizer, str(tmp_path / "marker"),
+                    nprocs=2, return_all=True, join_timeout=60, start_method=method)
+    assert values == [0, 1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["marker.0", "marker.1"]
+
+
 @pytest.mark.slow
 def test_what_native_code_printed_is_not_lost_when_a_rank_ends():
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
@@ -283,9 +330,16 @@ def test_what_native_code_printed_is_not_lost_when_a_rank_ends():
         lines = lines[len(block) + 1:]
 
 
+def abort_without_a_core_file():
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file in the working folder
+    os.abort()
+
+
 def rank1_aborts_after_returning():
     if mh.rank() == 1:
-        after_the_group_ends(os.abort)
+        after_the_group_ends(abort_without_a_core_file)
     return mh.rank()
 
 

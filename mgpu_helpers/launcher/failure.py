@@ -70,18 +70,20 @@ def _failure_message(ranks: list[_Rank]) -> str:
 
     # The root cause, in this order: the earliest error a rank raised itself; else the
     # first rank that died without a report (a crash, os._exit, a signal from outside)
-    # and was not stopped by the launcher; else whatever failed first. An error that only
-    # says a peer went away is the echo of another rank's death: it comes last. Ranks'
-    # clocks are compared with ranks' clocks, exits noticed by the launcher with each other.
-    # A rank that returned its value and then crashed while its process ended failed too.
-    failures = [r for r in ranks
-                if not (r.outcome and r.outcome[0] == "ok") or r.process.exitcode != 0]
+    # and was not stopped by the launcher; else an error that only says a peer went away
+    # (the echo of another rank's death); else a rank that returned its value and then
+    # failed as its process ended (after a peer's death its group cannot end cleanly);
+    # else whatever failed first. Ranks' clocks are compared with ranks' clocks, exits
+    # noticed by the launcher with each other.
+    returned = [r for r in ranks if r.outcome and r.outcome[0] == "ok"]
+    failures = [r for r in ranks if r not in returned or r.process.exitcode != 0]
     errors = [r for r in failures if r.outcome and r.outcome[0] == "error"]
     genuine = [r for r in errors if not _is_collateral(r.outcome[1])]
-    died = [r for r in failures if r not in errors and not r.stopped]
+    died = [r for r in failures if r.outcome is None and not r.stopped]
+    ended_badly = [r for r in failures if r in returned and not r.stopped]
     # Each group is ordered by one clock: errors by the ranks' stamps, deaths by when the
     # launcher noticed them. The groups themselves are ranked, never their times.
-    root = min(genuine or died or errors or failures, key=failed_at)
+    root = min(genuine or died or errors or ended_badly or failures, key=failed_at)
     if root.outcome and root.outcome[0] == "error":
         report = root.outcome[1]
         head = f"rank {root.index} failed: {report['type']}: {_first_line(report['message'])}"
@@ -92,9 +94,10 @@ def _failure_message(ranks: list[_Rank]) -> str:
     else:
         head = f"rank {root.index} {root.describe_end()}"
         code = root.process.exitcode
-        if root.outcome is not None:  # ("ok", ...): the work was done
-            head += (" (a crash in native code as the process ended, after the work: "
-                     "its output above may say where)")
+        if root.outcome is not None and code is not None and code > 0:  # returned, then
+            head += " (an error while its process ended: its output above shows it)"
+        elif root.outcome is not None and code is not None and -code == signal.SIGABRT:
+            head += " (a crash in native code as its process ended)"
         elif code is not None and code > 0:
             head += " (os._exit, sys.exit or a crash in native code)"
         elif code is not None and -code == signal.SIGKILL:

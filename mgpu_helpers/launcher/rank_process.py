@@ -85,6 +85,8 @@ class _Rank:
         killed = f"killed by signal {signal.Signals(-code).name}" if code < 0 else None
         if self.outcome is None:
             return killed or f"exited with code {code} without returning a result"
+        if code != 0 and self.stopped:
+            return "returned its result, then was stopped by the launcher as it ended"
         if code != 0:  # it returned its value, then its process did not end cleanly
             how = f"was {killed}" if killed else f"exited with code {code}"
             return f"returned its result, then {how} as its process ended"

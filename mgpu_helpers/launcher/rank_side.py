@@ -170,6 +170,21 @@ def _rank_main(rank, spec, work, listener, result_conn, stdout_conn, stderr_conn
     os.environ.update(_rank_environment(rank, spec))
     if backend_device_type(spec.backend) == "cpu":
         torch.set_num_threads(spec.cpu_threads)
+    code = 1
+    try:
+        _run_and_report(rank, spec, work, listener, result_conn)
+        code = 0
+    except _WorkFailed:  # reported to the launcher already
+        pass
+    except BaseException:  # the report or the group's end failed: say it on stderr
+        traceback.print_exc()
+    finally:
+        _end_rank(code)
+
+
+def _run_and_report(rank, spec, work, listener, result_conn) -> None:
+    """Run the work in the group; send back its value or its error; end the group.
+    Raises only when the report itself fails (or the rank's work failed: it was sent)."""
     phase = "unpickle"
     try:
         fn, args, kwargs = cloudpickle.loads(work) if isinstance(work, bytes) else work
@@ -182,46 +197,59 @@ def _rank_main(rank, spec, work, listener, result_conn, stdout_conn, stderr_conn
         payload = _dumps_for_host(value)
     except BaseException as exc:  # reported to the launcher, which re-raises it there
         report = _report_exception(exc, rank, phase)
-        result_conn.send_bytes(pickle.dumps(("error", report)))
         try:
-            _finish_group(clean=False, process_ends=True)
+            result_conn.send_bytes(pickle.dumps(("error", report)))
         finally:
-            _end_rank(1)
+            _finish_group(clean=False, process_ends=True)
+        raise _WorkFailed from None
     result_conn.send_bytes(pickle.dumps(("ok", payload)))
     _finish_group(clean=True, process_ends=True)
-    _end_rank(0)
+
+
+class _WorkFailed(Exception):
+    """The rank's work raised, and its report was sent: the process ends with code 1."""
 
 
 def _end_rank(code: int) -> None:
-    """End the rank's process the same way under fork and spawn: wait for the threads the
-    work left running (as multiprocessing does), flush, then ``os._exit``.
+    """End the rank's process the same way under fork and spawn: what multiprocessing
+    does after its target returns (its finalizers; daemonic children such as DataLoader
+    workers terminated, the others joined; non-daemon threads and thread pools joined),
+    the streams flushed, Python's and C's, then ``os._exit``.
 
-    A forked multiprocessing child always leaves with ``os._exit``; a spawned one with
+    A forked multiprocessing child leaves with ``os._exit`` anyway; a spawned one with
     ``sys.exit``, which finalizes the interpreter while gloo's worker threads still run.
     A worker thread that then touches a Python object (a tensor of its last collective)
     cannot take the GIL any more, and the process aborts with "terminate called without
     an active exception" after it has returned its result: one spawn launch in 40 did,
-    on two cores under load. Nothing of the rank's work is lost by skipping finalization:
-    its result and output are already sent, and the launcher kills what it left behind.
+    on two cores under load. What ``os._exit`` skips is the interpreter's finalization:
+    ``atexit`` handlers registered in the rank, and object destructors.
     """
-    main = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main and not thread.daemon:
-            thread.join()
-    for stream in (sys.stdout, sys.stderr):
+    import multiprocessing.util
+
+    for step in (multiprocessing.util._exit_function, threading._shutdown):
         try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed or broken pipe: nothing left to say
-            pass
-    _flush_c_streams()  # os._exit would drop what native code printf'd and C buffered
+            step()
+        except BaseException:  # keep ending; say why
+            traceback.print_exc()
+    flush_all_streams()  # os._exit would drop what is still buffered
     os._exit(code)
 
 
-def _flush_c_streams() -> None:
-    """``fflush(NULL)``: write out every C stdio buffer of this process. On a pipe, C's
-    stdout is fully buffered, and ``exit()`` would flush it, ``os._exit`` does not."""
+def flush_all_streams() -> None:
+    """Write out what this process's output streams still buffer: Python's (``sys.stdout``
+    and the original ``sys.__stdout__``, with their stderr) and C's stdio (``fflush(NULL)``:
+    on a pipe C's stdout is fully buffered; ``exit()`` flushes it, ``os._exit`` does not).
+
+    The launcher calls it before forking too, so a forked rank, which inherits the
+    buffers, never writes out its parent's pending output a second time."""
     import ctypes
 
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing left to say
+            pass
     try:
         ctypes.CDLL(None).fflush(None)
     except (OSError, AttributeError):  # no C library to ask (not on Linux or macOS)

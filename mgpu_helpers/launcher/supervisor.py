@@ -16,7 +16,7 @@ import time
 
 from .failure import LaunchError, _failure_message, _is_collateral
 from .rank_process import _Rank
-from .rank_side import _GroupSpec, _rank_main
+from .rank_side import _GroupSpec, _rank_main, flush_all_streams
 
 TERMINATE_GRACE_S = 2.0
 # After an error that only says a peer went away ("Connection closed by peer"), how long
@@ -178,6 +178,8 @@ def _start_rank(ctx, index: int, spec: _GroupSpec, work, listener) -> _Rank:
         target=_rank_main, name=f"mgpu-rank-{index}",
         args=(index, spec, work, passed_listener, result_w, out_w, err_w),
     )
+    if ctx.get_start_method() == "fork":
+        flush_all_streams()  # or the rank would inherit, and print again, pending output
     try:
         process.start()
     except BaseException:
