@@ -535,7 +535,7 @@ def test_launch_inside_a_rank_is_refused():
 # ------------------------------------------------------------------- under spawn
 # On a GPU node launch spawns once the notebook has initialised CUDA (a forked rank could
 # not use the GPU): ranks start from a fresh interpreter, the function reaches them by
-# cloudpickle, and they end differently (see rank_side._end_rank). The rest of this file
+# cloudpickle, and they end differently (see rank_exit._end_rank). The rest of this file
 # forks; these run the main paths again under spawn, on CPU ranks.
 
 

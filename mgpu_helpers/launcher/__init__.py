@@ -23,6 +23,7 @@ Its parts, one job each:
 * :mod:`.checks`: argument checks, and the backend, rank count and start method a launch
   resolves to;
 * :mod:`.rank_side`: what runs inside a started rank (environment, group, result);
+* :mod:`.rank_exit`: how a rank's process ends (its group, threads, output, ``os._exit``);
 * :mod:`.rank_process`: one started rank as the launcher sees it (its output, its end);
 * :mod:`.supervisor`: starting the ranks, watching them, stopping them all;
 * :mod:`.failure`: the error a failed launch raises, root cause first, with advice;

@@ -14,7 +14,7 @@ from ..env import backend_device_type, count_gpus
 from ..group_reuse import reusing_launched_group
 from ..ranks import gpu_index
 from .checks import resolve_backend
-from .rank_side import _finish_group
+from .rank_exit import _finish_group
 
 
 def _torchrun_variables(cluster: ClusterRank) -> dict[str, str]:

@@ -10,7 +10,6 @@ import pickle
 import signal
 import socket
 import sys
-import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from ..env import backend_device_type
 from ..group_reuse import reusing_launched_group
 from ..ranks import INSIDE_RANK_VAR, RESTART_COUNT_VAR
+from .rank_exit import _end_rank, _finish_group
 
 
 @dataclass(frozen=True)
@@ -145,23 +145,6 @@ def _report_exception(exc: BaseException, rank: int, phase: str) -> dict:
     }
 
 
-# A launched rank's process ends right after its group, with os._exit (see _end_rank).
-# destroy_process_group() shuts every backend down (NCCL communicators too), but the
-# destroyed gloo group's destructor then takes about 20 ms to join its threads and close
-# its sockets: a rank holds the group here instead, and the exit frees it.
-_ENDED_GROUPS: list = []
-
-
-def _finish_group(clean: bool, process_ends: bool = False) -> None:
-    if dist.is_available() and dist.is_initialized():
-        if clean:
-            dist.barrier()  # no rank tears down the store while another still needs it
-        group = dist.group.WORLD
-        dist.destroy_process_group()
-        if process_ends:
-            _ENDED_GROUPS.append(group)
-
-
 def _rank_main(rank, spec, work, listener, result_conn, stdout_conn, stderr_conn) -> None:
     """Entry point of every launched rank (fork or spawn)."""
     _become_rank(stdout_conn, stderr_conn)
@@ -208,49 +191,3 @@ def _run_and_report(rank, spec, work, listener, result_conn) -> None:
 
 class _WorkFailed(Exception):
     """The rank's work raised, and its report was sent: the process ends with code 1."""
-
-
-def _end_rank(code: int) -> None:
-    """End the rank's process the same way under fork and spawn: what multiprocessing
-    does after its target returns (its finalizers; daemonic children such as DataLoader
-    workers terminated, the others joined; non-daemon threads and thread pools joined),
-    the streams flushed, Python's and C's, then ``os._exit``.
-
-    A forked multiprocessing child leaves with ``os._exit`` anyway; a spawned one with
-    ``sys.exit``, which finalizes the interpreter while gloo's worker threads still run.
-    A worker thread that then touches a Python object (a tensor of its last collective)
-    cannot take the GIL any more, and the process aborts with "terminate called without
-    an active exception" after it has returned its result: one spawn launch in 40 did,
-    on two cores under load. What ``os._exit`` skips is the interpreter's finalization:
-    ``atexit`` handlers registered in the rank, and object destructors.
-    """
-    import multiprocessing.util
-
-    for step in (multiprocessing.util._exit_function, threading._shutdown):
-        try:
-            step()
-        except BaseException:  # keep ending; say why
-            traceback.print_exc()
-    flush_all_streams()  # os._exit would drop what is still buffered
-    os._exit(code)
-
-
-def flush_all_streams() -> None:
-    """Write out what this process's output streams still buffer: Python's (``sys.stdout``
-    and the original ``sys.__stdout__``, with their stderr) and C's stdio (``fflush(NULL)``:
-    on a pipe C's stdout is fully buffered; ``exit()`` flushes it, ``os._exit`` does not).
-
-    The launcher calls it before forking too, so a forked rank, which inherits the
-    buffers, never writes out its parent's pending output a second time."""
-    import ctypes
-
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        try:
-            if stream is not None:
-                stream.flush()
-        except (OSError, ValueError):  # a closed or broken pipe: nothing left to say
-            pass
-    try:
-        ctypes.CDLL(None).fflush(None)
-    except (OSError, AttributeError):  # no C library to ask (not on Linux or macOS)
-        pass

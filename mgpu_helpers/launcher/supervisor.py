@@ -15,8 +15,9 @@ import signal
 import time
 
 from .failure import LaunchError, _failure_message, _is_collateral
+from .rank_exit import flush_all_streams
 from .rank_process import _Rank
-from .rank_side import _GroupSpec, _rank_main, flush_all_streams
+from .rank_side import _GroupSpec, _rank_main
 
 TERMINATE_GRACE_S = 2.0
 # After an error that only says a peer went away ("Connection closed by peer"), how long
