@@ -6,6 +6,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PINS := requirements/constraints.txt
+# Free disk that creating .venv needs, in GB (it takes about 6.2 installed).
+VENV_GB ?= 7
 WITH_NB_ENV := tests/with_notebook_env.sh
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 LANDING := notebooks/start_here.ipynb
@@ -22,6 +24,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml $(PINS)
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
 	  { echo "error: $(PYTHON) is older than Python 3.10; run 'make PYTHON=python3.11 ...'" >&2; exit 1; }
+	@test -x $(BIN)/python || $(PYTHON) tools/disk_room.py $(VENV) --gb $(VENV_GB)
 	@test -x $(BIN)/python || { echo "Creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
 	@echo "Installing the workbook into $(VENV) (pinned by $(PINS); the first time takes minutes)"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c $(PINS) -e ".[lab,test]"
