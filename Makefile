@@ -24,8 +24,8 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml $(PINS)
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
 	  { echo "error: $(PYTHON) is older than Python 3.10; run 'make PYTHON=python3.11 ...'" >&2; exit 1; }
-	@test -x $(BIN)/python || $(PYTHON) tools/disk_room.py $(VENV) --gb $(VENV_GB)
-	@test -x $(BIN)/python || { echo "Creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
+	@test -x $(BIN)/python || { $(PYTHON) tools/disk_room.py $(VENV) --gb $(VENV_GB) && \
+	  echo "Creating $(VENV) with $(PYTHON)" && $(PYTHON) -m venv $(VENV); }
 	@echo "Installing the workbook into $(VENV) (pinned by $(PINS); the first time takes minutes)"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c $(PINS) -e ".[lab,test]"
 	@# Build matplotlib's font cache here, so its notice never lands in a notebook output.

@@ -8,12 +8,10 @@ import sys
 from collections import namedtuple
 from pathlib import Path
 
+import disk_room  # tools/disk_room.py (pytest's pythonpath)
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-
-import disk_room  # noqa: E402
 
 Usage = namedtuple("Usage", "total used free")
 
