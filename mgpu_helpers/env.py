@@ -2,145 +2,40 @@
 
 ``describe()`` gathers versions, devices and the ``CUDA_VISIBLE_DEVICES`` setting into an
 :class:`EnvReport`, which shows as an HTML table in a notebook and as text in a terminal
-(``python -m mgpu_helpers``). It never initialises CUDA in the calling process: the GPU
-questions are asked in a short-lived child process (see ``_cuda_probe``), because a
-process that has initialised CUDA cannot fork training ranks afterwards.
+(``python -m mgpu_helpers``). It never initialises CUDA in the calling process (see
+:mod:`.devices`). How the workbook runs ranks on what it finds, the backend and the
+plan, is :mod:`.backend`'s; its names are re-exported here for code written before the
+split.
 """
 
 from __future__ import annotations
 
-import ctypes
 import html
-import json
 import os
 import platform
 import re
-import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from .backend import (
+    GPU_BACKEND,
+    SIMULATED_RANKS,
+    DevicePlan,
+    auto_backend,
+    backend_device_type,
+    plan_for,
+)
+from .devices import GPU, CudaProbe, count_gpus, cuda_driver_loaded, probe_cuda
 from .visible_devices import ENV_VAR, VisibleDevices, parse_cuda_visible_devices
 
-#: Ranks the workbook simulates as CPU processes when there is no GPU.
-SIMULATED_RANKS = 2
-PROBE_TIMEOUT_S = 120.0
-
-
-@dataclass(frozen=True)
-class GPU:
-    """One GPU as the CUDA runtime reports it (index as renumbered by CUDA_VISIBLE_DEVICES)."""
-
-    index: int
-    name: str
-    total_memory_bytes: int
-    capability: tuple[int, int]
-
-    @property
-    def memory_gib(self) -> float:
-        return self.total_memory_bytes / 2**30
-
-
-@dataclass(frozen=True)
-class CudaProbe:
-    """What a child process learned from CUDA.
-
-    Args:
-        gpus: the GPUs the child could use.
-        cuda_error: why CUDA could not be initialised (no driver, no device...), or None.
-        cudnn_version: cuDNN version as an integer (e.g. 90100), or None without cuDNN.
-        nccl_version: NCCL version string, or None when this build has no NCCL.
-        probe_error: why the probe itself failed, or None.
-    """
-
-    gpus: tuple[GPU, ...] = ()
-    cuda_error: str | None = None
-    cudnn_version: int | None = None
-    nccl_version: str | None = None
-    probe_error: str | None = None
-
-    @classmethod
-    def from_json(cls, text: str) -> CudaProbe:
-        facts = json.loads(text)
-        gpus = tuple(
-            GPU(g["index"], g["name"], int(g["total_memory_bytes"]), tuple(g["capability"]))
-            for g in facts["gpus"]
-        )
-        return cls(gpus, facts["cuda_error"], facts["cudnn_version"], facts["nccl_version"])
-
-
-def probe_cuda(timeout: float = PROBE_TIMEOUT_S) -> CudaProbe:
-    """Ask CUDA about the GPUs from a child process, leaving this process's CUDA untouched.
-
-    The child inherits this process's environment, so it sees the same
-    ``CUDA_VISIBLE_DEVICES`` a training rank started from here would see.
-    """
-    if not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    command = [sys.executable, "-m", "mgpu_helpers._cuda_probe"]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return CudaProbe(probe_error=f"the CUDA probe did not answer within {timeout:.0f} s; "
-                         "a hung driver is the usual cause: check `nvidia-smi`")
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-        return CudaProbe(probe_error=f"the CUDA probe exited with status {done.returncode}: "
-                         f"{last}")
-    try:
-        return CudaProbe.from_json(done.stdout)
-    except (ValueError, KeyError, TypeError) as exc:
-        return CudaProbe(probe_error=f"the CUDA probe printed something unreadable ({exc})")
-
-
-#: What ``backend="auto"`` means on a machine with GPUs and NCCL: one process group with
-#: two backends, NCCL for CUDA tensors and gloo for CPU tensors. A GPU-capable cell then
-#: all-reduces its CUDA gradients over NCCL, and a small CPU tensor (a metric, a flag)
-#: still works, where a pure NCCL group would refuse it.
-GPU_BACKEND = "cpu:gloo,cuda:nccl"
-
-
-def auto_backend(gpu_count: int, nccl_available: bool) -> str:
-    """The backend ``launch(backend="auto")`` uses: NCCL (+ gloo for CPU tensors) with
-    GPUs and a PyTorch build that has NCCL, else gloo (ranks compute on the CPU)."""
-    return GPU_BACKEND if gpu_count > 0 and nccl_available else "gloo"
-
-
-def backend_device_type(backend: str) -> str:
-    """``"cuda"`` when a group created with ``backend`` moves CUDA tensors (NCCL), else
-    ``"cpu"``: the device a rank of such a group computes on."""
-    return "cuda" if "nccl" in str(backend) else "cpu"
-
-
-@dataclass(frozen=True)
-class DevicePlan:
-    """How the workbook will run parallel ranks on this machine."""
-
-    nprocs: int
-    backend: str
-    device_type: str
-    summary: str
-
-
-def plan_for(gpu_count: int, nccl_available: bool, usable_cores: int) -> DevicePlan:
-    """The plan of GPU-capable cells: one process per GPU (NCCL for CUDA tensors, gloo
-    for CPU tensors), else CPU ranks over gloo. CPU checks ignore it: they pin gloo."""
-    backend = auto_backend(gpu_count, nccl_available)
-    if gpu_count > 0 and backend != "gloo":
-        noun = "GPU" if gpu_count == 1 else "GPUs"
-        summary = (f"{gpu_count} {noun}: one process per GPU, NCCL for CUDA tensors "
-                   "(gloo for CPU tensors)")
-        return DevicePlan(gpu_count, backend, "cuda", summary)
-    if gpu_count > 0:
-        summary = (f"{gpu_count} GPU(s), but this PyTorch build has no NCCL: "
-                   f"{SIMULATED_RANKS} ranks compute on the CPU over gloo")
-        return DevicePlan(SIMULATED_RANKS, "gloo", "cpu", summary)
-    summary = (f"no GPU: {SIMULATED_RANKS} ranks simulated as CPU processes over gloo "
-               f"(one thread each, on {usable_cores} usable CPU core"
-               f"{'' if usable_cores == 1 else 's'})")
-    return DevicePlan(SIMULATED_RANKS, "gloo", "cpu", summary)
+__all__ = [  # the report, and the names that moved to .backend and .devices
+    "GPU", "GPU_BACKEND", "SIMULATED_RANKS", "CudaProbe", "DevicePlan", "EnvReport",
+    "auto_backend", "backend_device_type", "count_gpus", "cuda_driver_loaded", "describe",
+    "driver_problem", "plan_for", "probe_cuda",
+]
 
 
 def _usable_cores() -> int:
@@ -296,50 +191,3 @@ def driver_problem(cuda_error: str | None, cuda_build: str | None = None) -> str
             f"{supports}. Update the driver, or install a PyTorch build for the CUDA your "
             "driver supports, e.g. pip install torch torchvision --index-url "
             "https://download.pytorch.org/whl/cu126 (README: 'PyTorch wheels and drivers')")
-
-
-def count_gpus() -> int:
-    """How many GPUs a process started from here would see, without initialising CUDA.
-
-    Uses NVML (through PyTorch, honouring ``CUDA_VISIBLE_DEVICES``), which is fork-safe
-    and fast. Where NVML cannot answer but a GPU driver is present, falls back to the
-    child-process probe of :func:`probe_cuda` (slow, but still fork-safe).
-    """
-    if torch.version.cuda is None and torch.version.hip is None:
-        return 0
-    if torch.version.cuda is not None:
-        counted = torch.cuda._device_count_nvml()
-        if counted >= 0:
-            return counted
-    if not any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd")):
-        return 0
-    return len(probe_cuda().gpus)
-
-
-_CUDA_ERROR_NOT_INITIALIZED = 3
-
-
-def cuda_driver_loaded() -> bool:
-    """True if this process has initialised the CUDA driver (so forking it is unsafe).
-
-    ``torch.cuda.is_initialized()`` misses calls such as ``torch.cuda.is_available()``
-    that initialise the driver (``cuInit``) without PyTorch's own lazy initialisation.
-    The driver's library being mapped is not enough: on a GPU node ``import torch`` maps
-    ``libcuda.so.1`` (cuBLASLt and cuSPARSELt open it when they load) without starting
-    it, and forking is still safe then. So where it is mapped, the driver itself is asked:
-    ``cuCtxGetCurrent`` answers CUDA_ERROR_NOT_INITIALIZED until ``cuInit`` has run.
-    """
-    if torch.cuda.is_initialized():
-        return True
-    try:
-        with open("/proc/self/maps") as maps:
-            if not any("/libcuda.so" in line for line in maps):
-                return False
-    except OSError:  # not Linux: only PyTorch's own flag is available
-        return False
-    try:  # RTLD_NOLOAD: the library already mapped, never a second copy
-        driver = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-        context = ctypes.c_void_p()
-        return driver.cuCtxGetCurrent(ctypes.byref(context)) != _CUDA_ERROR_NOT_INITIALIZED
-    except (OSError, AttributeError):  # mapped under another name: assume it started
-        return True

@@ -3,7 +3,7 @@
 Each process keeps a ring buffer of the last collectives of its gloo process groups
 (2,000 entries by default in the pinned PyTorch, ``TORCH_FR_BUFFER_SIZE``; older releases
 default to 0, off); chapter 09 shows it. NCCL groups record into a recorder of their own,
-read with ``torch._C._distributed_c10d._dump_nccl_trace``, which :func:`collectives_so_far`
+read with a call of their own, which :func:`collectives_so_far`
 does not read: the labs that count with it run on gloo. Each entry is a dict with, among
 others, ``pg_id`` (its group), ``profiling_name`` ("gloo:all_reduce"), ``input_sizes``,
 ``output_sizes``, ``input_dtypes`` and ``is_p2p``. Gloo records collectives only: its
@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import pickle
 
-import torch
+from .private_apis import flight_recorder_dump
 
 
 def collectives_so_far() -> list[dict]:
     """The entries of this process's gloo flight recorder, oldest first."""
-    dump = torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=False)
-    return pickle.loads(dump)["entries"]
+    return pickle.loads(flight_recorder_dump())["entries"]

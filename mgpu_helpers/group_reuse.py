@@ -31,7 +31,7 @@ from contextlib import contextmanager
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from .env import backend_device_type
+from .backend import backend_device_type
 
 _ORIGINAL = distributed_c10d.init_process_group
 

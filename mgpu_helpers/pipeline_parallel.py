@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from .memory import ActivationMeter  # noqa: F401  (moved; re-exported)
+
 MAX_DIMS = 6
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -288,63 +290,6 @@ def plot_timeline(events: Sequence[Event], ax=None, title: str | None = None):
               ncols=2 if pieces else 1, frameon=False)
     ax.set_title(title or f"bubble {bubble_fraction(events):.0%} of the time")
     return ax
-
-
-# ------------------------------------------------------------ activation memory
-
-
-class ActivationMeter:
-    """Counts the bytes autograd keeps for the backward pass (saved activations), now
-    and at their peak, while the ``with`` block runs forward passes.
-
-    Tensors that share storage with ``exclude`` (a model's parameters, which autograd
-    also saves but which exist anyway) are not counted. A saved tensor stops counting
-    when autograd frees it, after its backward has run; a tensor saved by two layers
-    (a ReLU's output is also the next layer's input) counts once.
-    """
-
-    def __init__(self, exclude=()):
-        self.current = 0
-        self.peak = 0
-        self._live: dict[int, list[int]] = {}  # storage -> [references, bytes]
-        self._excluded = {p.untyped_storage().data_ptr() for p in exclude}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def __enter__(self):
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc_info):
-        self._hooks.__exit__(*exc_info)
-
-    def _pack(self, tensor: torch.Tensor):
-        if tensor.untyped_storage().data_ptr() in self._excluded:
-            return tensor
-        return _Saved(tensor, self)
-
-    @staticmethod
-    def _unpack(saved):
-        return saved.tensor if isinstance(saved, _Saved) else saved
-
-
-class _Saved:
-    """A saved tensor that tells its meter when autograd lets go of it."""
-
-    def __init__(self, tensor: torch.Tensor, meter: ActivationMeter):
-        self.tensor, self.meter = tensor, meter
-        self.storage = tensor.untyped_storage().data_ptr()
-        entry = meter._live.setdefault(self.storage, [0, tensor.untyped_storage().nbytes()])
-        entry[0] += 1
-        if entry[0] == 1:
-            meter.current += entry[1]
-            meter.peak = max(meter.peak, meter.current)
-
-    def __del__(self):
-        entry = self.meter._live[self.storage]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.meter.current -= entry[1]
-            del self.meter._live[self.storage]
 
 
 # --------------------------------------------------------------- communication

@@ -13,7 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .env import backend_device_type
+from .backend import backend_device_type
 
 # Set in every rank that launch() starts (to its rank), so code can tell it runs in one.
 INSIDE_RANK_VAR = "MGPU_LAUNCH_RANK"

@@ -397,7 +397,7 @@ def _stamp_run_time(metadata: dict, seconds: float) -> None:
 
 def machine_description() -> str:
     """``2 CPUs, x86_64, no GPU``: where a run time was measured."""
-    from mgpu_helpers.env import count_gpus
+    from mgpu_helpers.devices import count_gpus
     gpus = count_gpus()
     gpu_text = "no GPU" if gpus == 0 else f"{gpus} GPU{'s' if gpus > 1 else ''}"
     return f"{os.cpu_count()} CPUs, {platform.machine()}, {gpu_text}"

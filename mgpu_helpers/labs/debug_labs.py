@@ -33,6 +33,7 @@ from torchvision import transforms
 from .. import recipe
 from ..data.loading import loader_generator, seed_worker
 from ..flight_recorder import collectives_so_far
+from ..private_apis import ddp_logging_data, flight_recorder_dump
 from ..ranks import rank, restart_count, world_size
 
 BUSY_SECONDS = 60  # how long a "busy" rank would stay away: far beyond every timeout
@@ -252,7 +253,7 @@ def lab_unused_parameter(fix: str | None = None, steps: int = 20) -> DDPSteps:
     step_collectives = [(entry["profiling_name"], sum(math.prod(size) for size in
                                                       entry["input_sizes"]))
                         for entry in collectives_so_far()[recorded:]]
-    record = model._get_ddp_logging_data()
+    record = ddp_logging_data(model)
     return DDPSteps(
         seconds_per_step=seconds, reduced_bytes=sum(b["bytes"] for b in buckets),
         reduced_parameters=sorted(name for b in buckets for name in b["parameters"]),
@@ -328,7 +329,7 @@ def lab_flight_recorder(folder: str, dump_after: float = 1.5) -> None:
     from pathlib import Path
 
     def dump():
-        records = torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=False)
+        records = flight_recorder_dump()
         Path(folder, f"rank{rank()}.pkl").write_bytes(records)
 
     timer = threading.Timer(dump_after, dump)
@@ -351,7 +352,7 @@ def lab_one_recorder_per_process() -> list[dict]:
     group = dist.new_group()
     dist.all_reduce(torch.ones(2))
     dist.all_reduce(torch.ones(3), group=group)
-    dump = torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=True)
+    dump = flight_recorder_dump(stack_traces=True)
     return [{"pg_id": entry["pg_id"], "seq": entry["collective_seq_id"],
              "name": entry["profiling_name"],
              "called_here": any(frame["name"] == "lab_one_recorder_per_process"

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..flight_recorder import collectives_so_far
+from ..private_apis import ddp_logging_data, is_allocation, profiler_event_tree
 from ..ranks import rank, world_size
 from .native_stderr import native_stderr_silenced
 
@@ -74,7 +75,7 @@ def _local_bytes(tensors) -> int:
 
 
 def _bucket_bytes(ddp_model) -> int:
-    sizes = ddp_model._get_ddp_logging_data().get("bucket_sizes", "")
+    sizes = ddp_logging_data(ddp_model).get("bucket_sizes", "")
     return sum(int(size) for size in re.findall(r"\d+", str(sizes)))
 
 
@@ -126,19 +127,17 @@ def _extra_at_peak(profile) -> dict:
     beyond what it held when the step began: every allocation and free is an event
     that carries the running total since the profiler started, and each phase is a
     ``record_function`` range."""
-    from torch._C._profiler import _EventType
-
     allocations, phases = [], {}
 
     def walk(events):
         for event in events:
-            if event.tag == _EventType.Allocation:
+            if is_allocation(event):
                 allocations.append((event.start_time_ns, event.extra_fields.total_allocated))
             elif event.name in PHASES:
                 phases[event.name] = (event.start_time_ns, event.end_time_ns)
             walk(event.children)
 
-    walk(profile.profiler.kineto_results.experimental_event_tree())
+    walk(profiler_event_tree(profile))
     return {phase: max((total for time, total in allocations if start <= time <= end),
                        default=0)
             for phase, (start, end) in phases.items()}

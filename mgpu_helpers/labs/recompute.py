@@ -28,8 +28,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from ..memory import ActivationMeter
 from ..models import SeedCNN
-from ..pipeline_parallel import ActivationMeter
 
 MODES = ("none", "full", "selective")
 

@@ -11,7 +11,7 @@ import sys
 import cloudpickle
 
 from ..cluster import ClusterEnvironmentError, cluster_environment
-from ..env import count_gpus
+from ..devices import count_gpus
 from .checks import (
     _check_callable,
     _check_count,

@@ -8,7 +8,8 @@ import sys
 
 import torch.distributed as dist
 
-from ..env import auto_backend, backend_device_type, cuda_driver_loaded
+from ..backend import auto_backend, backend_device_type
+from ..devices import cuda_driver_loaded
 from ..ranks import INSIDE_RANK_VAR
 from .failure import LaunchError
 

@@ -9,8 +9,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..backend import backend_device_type
 from ..cluster import ClusterRank, elastic_store
-from ..env import backend_device_type, count_gpus
+from ..devices import count_gpus
 from ..group_reuse import reusing_launched_group
 from ..ranks import gpu_index
 from .checks import resolve_backend

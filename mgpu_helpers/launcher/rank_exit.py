@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import traceback
 
 import torch.distributed as dist
+
+from ..private_apis import join_non_daemon_threads, run_multiprocessing_finalizers
 
 # A launched rank's process ends right after its group, with os._exit (see _end_rank).
 # destroy_process_group() shuts every backend down (NCCL communicators too), but the
@@ -41,9 +42,7 @@ def _end_rank(code: int) -> None:
     on two cores under load. What ``os._exit`` skips is the interpreter's finalization:
     ``atexit`` handlers registered in the rank, and object destructors.
     """
-    import multiprocessing.util
-
-    for step in (multiprocessing.util._exit_function, threading._shutdown):
+    for step in (run_multiprocessing_finalizers, join_non_daemon_threads):
         try:
             step()
         except BaseException:  # keep ending; say why

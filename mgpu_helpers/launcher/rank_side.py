@@ -18,8 +18,9 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from ..env import backend_device_type
+from ..backend import backend_device_type
 from ..group_reuse import reusing_launched_group
+from ..private_apis import cuda_in_bad_fork
 from ..ranks import INSIDE_RANK_VAR, RESTART_COUNT_VAR
 from .rank_exit import _end_rank, _finish_group
 
@@ -117,7 +118,7 @@ def _rank_environment(rank: int, spec: _GroupSpec) -> dict[str, str]:
 def _join_group(rank: int, spec: _GroupSpec, listener: socket.socket | None) -> None:
     timeout = datetime.timedelta(seconds=spec.timeout_s)
     if backend_device_type(spec.backend) == "cuda":
-        if torch.cuda._is_in_bad_fork():
+        if cuda_in_bad_fork():
             raise RuntimeError(
                 "this rank was forked from a process that had initialised CUDA, so it "
                 "cannot use the GPU (poisoned fork). Restart the kernel, or launch with "
