@@ -104,13 +104,13 @@ def test_kernel_in_a_4_task_batch_allocation_starts_2_local_ranks(tmp_path, monk
 
 
 def test_srun_tasks_get_torchruns_variables(monkeypatch):
-    from mgpu_helpers.launcher.in_place import _torchrun_variables
+    from mgpu_helpers.launcher.in_place import torchrun_variables
 
     env = {**srun_task(1, tasks=4), "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
            "MASTER_PORT": "29511"}
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    variables = _torchrun_variables(cluster_environment(env))
+    variables = torchrun_variables(cluster_environment(env))
     assert variables == {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
                          "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "localhost",
                          "MASTER_PORT": "29511"}

@@ -20,7 +20,8 @@ from slurm_env import srun_task
 import mgpu_helpers as mh
 from mgpu_helpers import LaunchError, launch
 from mgpu_helpers.cluster import first_slurm_host
-from mgpu_helpers.launcher import api, checks, failure, rank_process, rank_side, supervisor
+from mgpu_helpers.launcher import api, checks, failure, rank_handle, rank_main, supervisor
+from mgpu_helpers.launcher.records import ErrorReport, GroupSpec, Raised, Returned
 
 SCRIPTS = Path(__file__).resolve().parent / "launch_scripts"
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -182,10 +183,10 @@ def test_failing_rank_is_reported_first_and_others_are_stopped():
 
 
 def failed_rank(index: int, message: str, failed_at: float):
-    report = {"rank": index, "phase": "run", "failed_at": failed_at, "type": "RuntimeError",
-              "message": message, "traceback": f"RuntimeError: {message}\n"}
+    report = ErrorReport(rank=index, phase="run", failed_at=failed_at, type_name="RuntimeError",
+                         message=message, traceback=f"RuntimeError: {message}\n")
     process = SimpleNamespace(exitcode=1)
-    return rank_process._Rank(index, process, None, None, None, outcome=("error", report))
+    return rank_handle.RankHandle(index, process, None, None, None, outcome=Raised(report))
 
 
 def test_a_peers_closed_connection_is_not_taken_for_the_root_cause():
@@ -193,44 +194,44 @@ def test_a_peers_closed_connection_is_not_taken_for_the_root_cause():
     # "Connection closed by peer" was stamped a moment earlier than rank 0's own report.
     ranks = [failed_rank(0, "Timed out waiting 5000ms for recv operation", 10.002),
              failed_rank(1, "Connection closed by peer [127.0.0.1]:41177", 10.001)]
-    message = failure._failure_message(ranks)
+    message = failure.failure_message(ranks)
     assert message.startswith("rank 0 failed: RuntimeError: Timed out waiting")
     only_collateral = [failed_rank(1, "Connection reset by peer", 3.0),
                        failed_rank(0, "Broken pipe", 4.0)]
-    assert failure._failure_message(only_collateral).startswith("rank 1 failed")
+    assert failure.failure_message(only_collateral).startswith("rank 1 failed")
 
 
 def test_a_rank_that_died_is_blamed_over_the_peer_that_saw_its_connection_reset():
     # Seen under load: rank 1 called os._exit(3); rank 0's "Connection reset by peer" was
     # stamped (rank 0's clock) before the launcher noticed rank 1's exit (its own clock).
     reset = failed_rank(0, "Read error [127.0.0.1]:5557: Connection reset by peer", 10.0)
-    died = rank_process._Rank(1, SimpleNamespace(exitcode=3), None, None, None,
-                               exited_at=10.5)
-    message = failure._failure_message([reset, died])
+    died = rank_handle.RankHandle(1, SimpleNamespace(exitcode=3), None, None, None,
+                                  exited_at=10.5)
+    message = failure.failure_message([reset, died])
     assert message.startswith("rank 1 exited with code 3 without returning a result")
     # A rank the launcher stopped (SIGTERM after the failure) is never the root cause.
-    stopped = rank_process._Rank(1, SimpleNamespace(exitcode=-15), None, None, None,
-                                  exited_at=10.5, stopped=True)
-    message = failure._failure_message([reset, stopped])
+    stopped = rank_handle.RankHandle(1, SimpleNamespace(exitcode=-15), None, None, None,
+                                     exited_at=10.5, stopped=True)
+    message = failure.failure_message([reset, stopped])
     assert message.startswith("rank 0 failed: RuntimeError: Read error")
 
 
 def test_a_rank_that_died_is_blamed_over_a_peer_that_returned_then_failed_to_end():
     # rank 1 called os._exit(3) while rank 0, done, was in its final barrier: that barrier
     # failed (exit code 1), and the launcher may notice rank 0's exit first
-    returned = rank_process._Rank(0, SimpleNamespace(exitcode=1), None, None, None,
-                                  outcome=("ok", b""), exited_at=10.0)
-    died = rank_process._Rank(1, SimpleNamespace(exitcode=3), None, None, None,
-                              exited_at=10.1)
-    message = failure._failure_message([returned, died])
+    returned = rank_handle.RankHandle(0, SimpleNamespace(exitcode=1), None, None, None,
+                                      outcome=Returned(b""), exited_at=10.0)
+    died = rank_handle.RankHandle(1, SimpleNamespace(exitcode=3), None, None, None,
+                                  exited_at=10.1)
+    message = failure.failure_message([returned, died])
     assert message.startswith("rank 1 exited with code 3 without returning a result")
     assert "rank 0: returned its result, then exited with code 1 as its process ended" in message
-    alone = failure._failure_message([returned, rank_process._Rank(
-        1, SimpleNamespace(exitcode=0), None, None, None, outcome=("ok", b""))])
+    alone = failure.failure_message([returned, rank_handle.RankHandle(
+        1, SimpleNamespace(exitcode=0), None, None, None, outcome=Returned(b""))])
     assert alone.startswith("rank 0 returned its result, then exited with code 1 as its "
                             "process ended (an error while its process ended")
-    stopped = rank_process._Rank(0, SimpleNamespace(exitcode=-15), None, None, None,
-                                 outcome=("ok", b""), stopped=True)
+    stopped = rank_handle.RankHandle(0, SimpleNamespace(exitcode=-15), None, None, None,
+                                     outcome=Returned(b""), stopped=True)
     assert stopped.describe_end() == ("returned its result, then was stopped by the "
                                       "launcher as it ended")
 
@@ -427,7 +428,7 @@ def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
 
 
 def test_a_failure_while_starting_ranks_stops_those_started(monkeypatch):
-    real_start = supervisor._start_rank
+    real_start = supervisor.start_rank
     started = []
 
     def second_start_fails(ctx, index, *args):
@@ -437,7 +438,7 @@ def test_a_failure_while_starting_ranks_stops_those_started(monkeypatch):
         started.append(rank.process)
         return rank
 
-    monkeypatch.setattr(supervisor, "_start_rank", second_start_fails)
+    monkeypatch.setattr(supervisor, "start_rank", second_start_fails)
     with pytest.raises(LaunchError, match=r"^could not start rank 1 of 2: OSError: "
                                           r"\[Errno 12\] Cannot allocate memory\. The 1 rank"):
         launch(time.sleep, 600, nprocs=2, backend="gloo")
@@ -445,26 +446,27 @@ def test_a_failure_while_starting_ranks_stops_those_started(monkeypatch):
     assert rank0.exitcode == -signal.SIGTERM  # stopped by the policy, not left running
 
 
-def report(kind: str, message: str, phase: str = "run") -> dict:
-    return {"type": kind, "message": message, "phase": phase}
+def report(kind: str, message: str, phase: str = "run") -> ErrorReport:
+    return ErrorReport(rank=0, phase=phase, failed_at=0.0, type_name=kind, message=message,
+                       traceback="")
 
 
 def test_advice_is_matched_on_the_error_not_on_words_in_the_traceback():
-    collective = failure._advice_for(report("RuntimeError",
+    collective = failure.advice_for(report("RuntimeError",
                                             "Timed out waiting 5000ms for recv operation"))
     assert collective.startswith("A collective waited longer than `timeout`")
-    assert failure._advice_for(report("DistBackendError", "Watchdog caught collective "
+    assert failure.advice_for(report("DistBackendError", "Watchdog caught collective "
                                       "operation timeout: WorkNCCL(SeqNum=3)")) == collective
     # The user's own timeout, or torch.load failing on a damaged file, is not about
     # collectives or return values.
-    assert failure._advice_for(report("TimeoutError", "queue.get timed out")) == ""
-    assert failure._advice_for(report("UnpicklingError", "invalid load key, 'x'.")) == ""
-    assert "return plain data" in failure._advice_for(
+    assert failure.advice_for(report("TimeoutError", "queue.get timed out")) == ""
+    assert failure.advice_for(report("UnpicklingError", "invalid load key, 'x'.")) == ""
+    assert "return plain data" in failure.advice_for(
         report("TypeError", "cannot pickle 'generator' object", phase="return"))
-    assert "spawn" in failure._advice_for(report("AttributeError", "Can't get attribute "
+    assert "spawn" in failure.advice_for(report("AttributeError", "Can't get attribute "
                                                  "'train' on <module '__main__'>",
                                                  phase="unpickle"))
-    assert "start_method='spawn'" in failure._advice_for(
+    assert "start_method='spawn'" in failure.advice_for(
         report("RuntimeError", "Cannot re-initialize CUDA in forked subprocess."))
 
 def fails_on_the_first_attempt():
@@ -535,7 +537,7 @@ def test_launch_inside_a_rank_is_refused():
 # ------------------------------------------------------------------- under spawn
 # On a GPU node launch spawns once the notebook has initialised CUDA (a forked rank could
 # not use the GPU): ranks start from a fresh interpreter, the function reaches them by
-# cloudpickle, and they end differently (see rank_exit._end_rank). The rest of this file
+# cloudpickle, and they end differently (see rank_exit.end_rank). The rest of this file
 # forks; these run the main paths again under spawn, on CPU ranks.
 
 
@@ -710,14 +712,14 @@ def test_fork_refused_once_cuda_is_initialised(monkeypatch):
     monkeypatch.setattr(checks, "cuda_driver_loaded", lambda: True)
     with pytest.raises(LaunchError, match=r"refusing to fork: .*torch.cuda.is_available\(\)"):
         launch(mh.rank, nprocs=2, start_method="fork")
-    assert checks._resolve_start_method("auto") == "spawn"
+    assert checks.resolve_start_method("auto") == "spawn"
 
 
 def test_nccl_rank_detects_a_poisoned_fork(monkeypatch):
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
-    spec = rank_side._GroupSpec(2, "nccl", "127.0.0.1", 1, 5.0, 1)
+    spec = GroupSpec(2, "nccl", "127.0.0.1", 1, 5.0, 1)
     with pytest.raises(RuntimeError, match="poisoned fork"):
-        rank_side._join_group(0, spec, None)
+        rank_main.join_group(0, spec, None)
 
 
 def test_unknown_start_method():

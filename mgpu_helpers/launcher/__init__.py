@@ -22,12 +22,17 @@ Its parts, one job each:
 * :mod:`.api`: :func:`launch` itself, and where its arguments go;
 * :mod:`.checks`: argument checks, and the backend, rank count and start method a launch
   resolves to;
-* :mod:`.rank_side`: what runs inside a started rank (environment, group, result);
+* :mod:`.records`: what both sides of the fork share (group spec, a rank's outcome, its error);
+* :mod:`.streams`: flushing output, by a rank before it exits and the launcher before it forks;
+* :mod:`.rank_main`: what runs in a started rank's process (environment, group, its outcome);
 * :mod:`.rank_exit`: how a rank's process ends (its group, threads, output, ``os._exit``);
-* :mod:`.rank_process`: one started rank as the launcher sees it (its output, its end);
+* :mod:`.rank_handle`: the launcher's handle on one started rank (its output, its end);
 * :mod:`.supervisor`: starting the ranks, watching them, stopping them all;
 * :mod:`.failure`: the error a failed launch raises, root cause first, with advice;
 * :mod:`.in_place`: under torchrun or an ``srun`` step, run in this process instead.
+
+Imports run one way (``tests/test_layout.py`` checks it): ``records`` and ``streams``
+import no other part, and both sides of the fork import them.
 """
 
 from .api import DEFAULT_TIMEOUT_S, launch

@@ -13,20 +13,20 @@ import cloudpickle
 from ..cluster import ClusterEnvironmentError, cluster_environment
 from ..devices import count_gpus
 from .checks import (
-    _check_callable,
-    _check_count,
-    _check_no_group_in_this_process,
-    _check_not_inside_rank,
-    _check_port,
-    _check_positive_int,
-    _check_seconds,
-    _resolve_start_method,
+    check_callable,
+    check_count,
+    check_no_group_in_this_process,
+    check_not_inside_rank,
+    check_port,
+    check_positive_int,
+    check_seconds,
     resolve_backend,
     resolve_nprocs,
+    resolve_start_method,
 )
 from .failure import LaunchError
-from .in_place import _run_in_this_process
-from .supervisor import _run_ranks
+from .in_place import run_in_this_process
+from .supervisor import run_ranks
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -92,25 +92,25 @@ def launch(fn, *args, nprocs: int | None = None, backend: str = "auto",
         LaunchError: a rank failed (the message starts with "rank k failed: ...") or the
             launch could not start. TimeoutError: join_timeout expired.
     """
-    _check_callable(fn)
-    _check_not_inside_rank()
-    _check_no_group_in_this_process()
-    _check_seconds("timeout", timeout)
-    _check_seconds("join_timeout", join_timeout, allow_none=True)
-    _check_positive_int("cpu_threads", cpu_threads)
-    _check_count("max_restarts", max_restarts)
-    _check_port(master_port)
+    check_callable(fn)
+    check_not_inside_rank()
+    check_no_group_in_this_process()
+    check_seconds("timeout", timeout)
+    check_seconds("join_timeout", join_timeout, allow_none=True)
+    check_positive_int("cpu_threads", cpu_threads)
+    check_count("max_restarts", max_restarts)
+    check_port(master_port)
     try:
         cluster = cluster_environment()
     except ClusterEnvironmentError as exc:
         raise LaunchError(str(exc)) from None
     if cluster is not None:
-        return _run_in_this_process(fn, args, kwargs, cluster, backend, timeout)
+        return run_in_this_process(fn, args, kwargs, cluster, backend, timeout)
 
     gpus = count_gpus()
     backend = resolve_backend(backend, gpus)
     nprocs = resolve_nprocs(nprocs, backend, gpus)
-    method = _resolve_start_method(start_method)
+    method = resolve_start_method(start_method)
     ctx = mp.get_context(method)
     if method == "fork":
         work = (fn, args, kwargs)
@@ -130,8 +130,8 @@ def launch(fn, *args, nprocs: int | None = None, backend: str = "auto",
         # 0's store: no other program can take it in between.
         listener = _listen(master_addr, master_port)
         try:
-            return _run_ranks(ctx, nprocs, {**spec_args, "restart": restart}, work, listener,
-                              join_timeout, return_all)
+            return run_ranks(ctx, nprocs, {**spec_args, "restart": restart}, work, listener,
+                             join_timeout, return_all)
         except LaunchError as exc:
             if restart == max_restarts:
                 raise

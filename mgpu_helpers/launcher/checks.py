@@ -16,7 +16,7 @@ from .failure import LaunchError
 BACKENDS = ("auto", "gloo", "nccl", "cpu:gloo,cuda:nccl")
 
 
-def _check_callable(fn) -> None:
+def check_callable(fn) -> None:
     if not callable(fn):
         raise TypeError(
             f"launch() needs a function to run on every rank, got {type(fn).__name__}. "
@@ -25,24 +25,24 @@ def _check_callable(fn) -> None:
         )
 
 
-def _check_positive_int(name: str, value) -> None:
+def check_positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def _check_count(name: str, value) -> None:
+def check_count(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
 
-def _check_seconds(name: str, value, allow_none: bool = False) -> None:
+def check_seconds(name: str, value, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
-def _check_not_inside_rank() -> None:
+def check_not_inside_rank() -> None:
     inside = os.environ.get(INSIDE_RANK_VAR)
     if inside is not None:
         raise LaunchError(
@@ -52,7 +52,7 @@ def _check_not_inside_rank() -> None:
         )
 
 
-def _check_no_group_in_this_process() -> None:
+def check_no_group_in_this_process() -> None:
     if dist.is_available() and dist.is_initialized():
         raise LaunchError(
             "a process group is already initialised in this process, so launch() would "
@@ -95,7 +95,7 @@ def resolve_nprocs(nprocs, backend: str, gpus: int) -> int:
                 "as CPU processes, e.g. launch(fn, nprocs=2)."
             )
         return gpus
-    _check_positive_int("nprocs", nprocs)
+    check_positive_int("nprocs", nprocs)
     if backend_device_type(backend) == "cuda" and nprocs > gpus:
         raise LaunchError(
             f"nprocs={nprocs} GPU ranks need {nprocs} GPUs, but {gpus} "
@@ -105,7 +105,7 @@ def resolve_nprocs(nprocs, backend: str, gpus: int) -> int:
     return nprocs
 
 
-def _resolve_start_method(start_method: str) -> str:
+def resolve_start_method(start_method: str) -> str:
     available = mp.get_all_start_methods()
     if start_method not in ("auto", "fork", "spawn", "forkserver"):
         raise ValueError(
@@ -130,7 +130,7 @@ def _resolve_start_method(start_method: str) -> str:
     return start_method
 
 
-def _check_port(port) -> None:
+def check_port(port) -> None:
     if port is None:
         return
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import re
 import signal
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .rank_process import _Rank
+from .rank_handle import RankHandle
+from .records import ErrorReport, Raised, Returned
 
 
 class LaunchError(RuntimeError):
@@ -17,15 +16,11 @@ class LaunchError(RuntimeError):
 _COLLATERAL_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
-def _is_collateral(report: dict) -> bool:
+def is_collateral(report: ErrorReport) -> bool:
     """A peer that gave up (a timeout, a crash) closes its connections: the others then
     fail with "Connection closed by peer", often a moment before the peer's own report.
     Such an error is never taken for the root cause while another exists."""
-    return any(text in report["message"] for text in _COLLATERAL_ERRORS)
-
-
-def _first_line(text: str) -> str:
-    return text.splitlines()[0] if text else ""
+    return any(text in report.message for text in _COLLATERAL_ERRORS)
 
 
 # Advice is matched on what failed, not on words anywhere in a traceback: a TimeoutError
@@ -40,9 +35,9 @@ _COLLECTIVE_TIMEOUT = re.compile(
 _PICKLE_TYPES = {"PicklingError", "UnpicklingError", "TypeError", "AttributeError"}
 
 
-def _advice_for(report: dict) -> str:
+def advice_for(report: ErrorReport) -> str:
     """Advice for a rank's error report (its phase, exception type and message)."""
-    kind, message, phase = report["type"], report["message"], report["phase"]
+    kind, message, phase = report.type_name, report.message, report.phase
     if kind == "RuntimeError" and any(text in message for text in _CUDA_FORK):
         return ("CUDA was initialised in the launching process before it forked. Restart "
                 "the kernel and avoid torch.cuda calls before launch(), or pass "
@@ -61,11 +56,11 @@ def _advice_for(report: dict) -> str:
     return ""
 
 
-def _failure_message(ranks: list[_Rank]) -> str:
+def failure_message(ranks: list[RankHandle]) -> str:
     """The launch error text: the root cause first, then the other ranks, then advice."""
-    def failed_at(rank: _Rank) -> float:
-        if rank.outcome and rank.outcome[0] == "error":
-            return rank.outcome[1]["failed_at"]
+    def failed_at(rank: RankHandle) -> float:
+        if isinstance(rank.outcome, Raised):
+            return rank.outcome.report.failed_at
         return rank.exited_at or float("inf")
 
     # The root cause, in this order: the earliest error a rank raised itself; else the
@@ -75,22 +70,22 @@ def _failure_message(ranks: list[_Rank]) -> str:
     # failed as its process ended (after a peer's death its group cannot end cleanly);
     # else whatever failed first. Ranks' clocks are compared with ranks' clocks, exits
     # noticed by the launcher with each other.
-    returned = [r for r in ranks if r.outcome and r.outcome[0] == "ok"]
+    returned = [r for r in ranks if isinstance(r.outcome, Returned)]
     failures = [r for r in ranks if r not in returned or r.process.exitcode != 0]
-    errors = [r for r in failures if r.outcome and r.outcome[0] == "error"]
-    genuine = [r for r in errors if not _is_collateral(r.outcome[1])]
+    errors = [r for r in failures if isinstance(r.outcome, Raised)]
+    genuine = [r for r in errors if not is_collateral(r.outcome.report)]
     died = [r for r in failures if r.outcome is None and not r.stopped]
     ended_badly = [r for r in failures if r in returned and not r.stopped]
     # Each group is ordered by one clock: errors by the ranks' stamps, deaths by when the
     # launcher noticed them. The groups themselves are ranked, never their times.
     root = min(genuine or died or errors or ended_badly or failures, key=failed_at)
-    if root.outcome and root.outcome[0] == "error":
-        report = root.outcome[1]
-        head = f"rank {root.index} failed: {report['type']}: {_first_line(report['message'])}"
-        if report["phase"] == "return":
+    if isinstance(root.outcome, Raised):
+        report = root.outcome.report
+        head = f"rank {root.index} failed: {report.summary()}"
+        if report.phase == "return":
             head += " (while sending its return value back)"
-        body = f"\n\nTraceback from rank {root.index}:\n{report['traceback']}"
-        advice = _advice_for(report)
+        body = f"\n\nTraceback from rank {root.index}:\n{report.traceback}"
+        advice = advice_for(report)
     else:
         head = f"rank {root.index} {root.describe_end()}"
         code = root.process.exitcode

@@ -15,10 +15,10 @@ from ..devices import count_gpus
 from ..group_reuse import reusing_launched_group
 from ..ranks import gpu_index
 from .checks import resolve_backend
-from .rank_exit import _finish_group
+from .rank_exit import finish_group
 
 
-def _torchrun_variables(cluster: ClusterRank) -> dict[str, str]:
+def torchrun_variables(cluster: ClusterRank) -> dict[str, str]:
     """The variables torchrun sets, derived from an srun task's, so that code reading
     RANK or LOCAL_RANK (and ``mh.local_rank()``) works under srun as under torchrun."""
     host, _, port = cluster.init_method.removeprefix("tcp://").rpartition(":")
@@ -33,10 +33,10 @@ def _torchrun_variables(cluster: ClusterRank) -> dict[str, str]:
     return variables
 
 
-def _run_in_this_process(fn, args, kwargs, cluster: ClusterRank, backend: str,
-                         timeout: float):
+def run_in_this_process(fn, args, kwargs, cluster: ClusterRank, backend: str,
+                        timeout: float):
     if cluster.launcher == "srun":
-        for name, value in _torchrun_variables(cluster).items():
+        for name, value in torchrun_variables(cluster).items():
             os.environ.setdefault(name, value)
     backend = resolve_backend(backend, count_gpus())
     if backend_device_type(backend) == "cuda":
@@ -54,7 +54,7 @@ def _run_in_this_process(fn, args, kwargs, cluster: ClusterRank, backend: str,
         with reusing_launched_group(fn, backend, cluster.world_size, cluster.rank):
             value = fn(*args, **kwargs)
     except BaseException:
-        _finish_group(clean=False)
+        finish_group(clean=False)
         raise
-    _finish_group(clean=True)
+    finish_group(clean=True)
     return value

@@ -4,21 +4,23 @@ processes its work left, its buffered output, then ``os._exit``."""
 from __future__ import annotations
 
 import os
-import sys
 import traceback
 
 import torch.distributed as dist
 
 from ..private_apis import join_non_daemon_threads, run_multiprocessing_finalizers
+from .streams import flush_all_streams
 
-# A launched rank's process ends right after its group, with os._exit (see _end_rank).
+# A launched rank's process ends right after its group, with os._exit (see end_rank).
 # destroy_process_group() shuts every backend down (NCCL communicators too), but the
 # destroyed gloo group's destructor then takes about 20 ms to join its threads and close
 # its sockets: a rank holds the group here instead, and the exit frees it.
 _ENDED_GROUPS: list = []
 
 
-def _finish_group(clean: bool, process_ends: bool = False) -> None:
+def finish_group(clean: bool, process_ends: bool = False) -> None:
+    """Destroy this process's group: after a barrier when ``clean`` (every rank got
+    here), at once after a failure. ``process_ends``: the process exits right after."""
     if dist.is_available() and dist.is_initialized():
         if clean:
             dist.barrier()  # no rank tears down the store while another still needs it
@@ -28,7 +30,7 @@ def _finish_group(clean: bool, process_ends: bool = False) -> None:
             _ENDED_GROUPS.append(group)
 
 
-def _end_rank(code: int) -> None:
+def end_rank(code: int) -> None:
     """End the rank's process the same way under fork and spawn: what multiprocessing
     does after its target returns (its finalizers; daemonic children such as DataLoader
     workers terminated, the others joined; non-daemon threads and thread pools joined),
@@ -50,23 +52,3 @@ def _end_rank(code: int) -> None:
     flush_all_streams()  # os._exit would drop what is still buffered
     os._exit(code)
 
-
-def flush_all_streams() -> None:
-    """Write out what this process's output streams still buffer: Python's (``sys.stdout``
-    and the original ``sys.__stdout__``, with their stderr) and C's stdio (``fflush(NULL)``:
-    on a pipe C's stdout is fully buffered; ``exit()`` flushes it, ``os._exit`` does not).
-
-    The launcher calls it before forking too, so a forked rank, which inherits the
-    buffers, never writes out its parent's pending output a second time."""
-    import ctypes
-
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        try:
-            if stream is not None:
-                stream.flush()
-        except (OSError, ValueError):  # a closed or broken pipe: nothing left to say
-            pass
-    try:
-        ctypes.CDLL(None).fflush(None)
-    except (OSError, AttributeError):  # no C library to ask (not on Linux or macOS)
-        pass

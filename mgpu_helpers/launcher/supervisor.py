@@ -14,10 +14,11 @@ import selectors
 import signal
 import time
 
-from .failure import LaunchError, _failure_message, _is_collateral
-from .rank_exit import flush_all_streams
-from .rank_process import _Rank
-from .rank_side import _GroupSpec, _rank_main
+from .failure import LaunchError, failure_message, is_collateral
+from .rank_handle import RankHandle
+from .rank_main import run_rank
+from .records import GroupSpec, Raised, Returned
+from .streams import flush_all_streams
 
 TERMINATE_GRACE_S = 2.0
 # After an error that only says a peer went away ("Connection closed by peer"), how long
@@ -29,7 +30,7 @@ STACK_DUMP_WAIT_S = 1.5
 class _Supervisor:
     """Drains output and results of every rank, and stops them all on the first failure."""
 
-    def __init__(self, ranks: list[_Rank], join_timeout: float | None):
+    def __init__(self, ranks: list[RankHandle], join_timeout: float | None):
         self.ranks = ranks
         self.deadline = None if join_timeout is None else time.monotonic() + join_timeout
         self.join_timeout = join_timeout
@@ -68,7 +69,7 @@ class _Supervisor:
                 limits.append(max(0.0, limit - time.monotonic()))
         return min(limits)
 
-    def _handle(self, kind: str, rank: _Rank, fileobj) -> None:
+    def _handle(self, kind: str, rank: RankHandle, fileobj) -> None:
         if kind in ("stdout", "stderr"):
             data = os.read(fileobj.fileno(), 65536)
             if data:
@@ -81,17 +82,17 @@ class _Supervisor:
             except EOFError:
                 self.selector.unregister(fileobj)
                 return
-            if rank.outcome[0] == "error":
-                self._fail(collateral=_is_collateral(rank.outcome[1]))
+            if isinstance(rank.outcome, Raised):
+                self._fail(collateral=is_collateral(rank.outcome.report))
         else:
             self.selector.unregister(fileobj)
             rank.process.join(timeout=5)
             rank.exited_at = time.time()
-            if rank.process.exitcode != 0 and not (rank.outcome and rank.outcome[0] == "error"):
+            if rank.process.exitcode != 0 and not isinstance(rank.outcome, Raised):
                 self._drain_result(rank)
                 self._fail()
 
-    def _drain_result(self, rank: _Rank) -> None:
+    def _drain_result(self, rank: RankHandle) -> None:
         if rank.outcome is None and rank.result_conn.poll(0):
             try:
                 rank.outcome = pickle.loads(rank.result_conn.recv_bytes())
@@ -152,7 +153,7 @@ class _Supervisor:
         self.selector.close()
 
 
-def stop_ranks(ranks: list[_Rank], grace: float = TERMINATE_GRACE_S) -> None:
+def stop_ranks(ranks: list[RankHandle], grace: float = TERMINATE_GRACE_S) -> None:
     """The stop policy: SIGTERM to every rank still running, ``grace`` seconds for them
     to exit, SIGKILL to the rest; then kill what each left behind in its session."""
     running = [rank for rank in ranks if rank.process.exitcode is None]
@@ -170,13 +171,13 @@ def stop_ranks(ranks: list[_Rank], grace: float = TERMINATE_GRACE_S) -> None:
         rank.kill_leftovers()
 
 
-def _start_rank(ctx, index: int, spec: _GroupSpec, work, listener) -> _Rank:
+def start_rank(ctx, index: int, spec: GroupSpec, work, listener) -> RankHandle:
     result_r, result_w = ctx.Pipe(duplex=False)
     out_r, out_w = ctx.Pipe(duplex=False)
     err_r, err_w = ctx.Pipe(duplex=False)
     passed_listener = listener if index == 0 or ctx.get_start_method() == "fork" else None
     process = ctx.Process(
-        target=_rank_main, name=f"mgpu-rank-{index}",
+        target=run_rank, name=f"mgpu-rank-{index}",
         args=(index, spec, work, passed_listener, result_w, out_w, err_w),
     )
     if ctx.get_start_method() == "fork":
@@ -189,17 +190,17 @@ def _start_rank(ctx, index: int, spec: _GroupSpec, work, listener) -> _Rank:
         raise
     for conn in (result_w, out_w, err_w):
         conn.close()
-    return _Rank(index, process, result_r, out_r, err_r)
+    return RankHandle(index, process, result_r, out_r, err_r)
 
 
-def _run_ranks(ctx, nprocs, spec_args: dict, work, listener, join_timeout, return_all):
-    spec = _GroupSpec(master_port=listener.getsockname()[1], **spec_args)
-    ranks: list[_Rank] = []
+def run_ranks(ctx, nprocs, spec_args: dict, work, listener, join_timeout, return_all):
+    spec = GroupSpec(master_port=listener.getsockname()[1], **spec_args)
+    ranks: list[RankHandle] = []
     supervisor = None
     try:
         for index in range(nprocs):  # each started rank is in `ranks` at once
             try:
-                ranks.append(_start_rank(ctx, index, spec, work, listener))
+                ranks.append(start_rank(ctx, index, spec, work, listener))
             except Exception as exc:
                 raise LaunchError(
                     f"could not start rank {index} of {nprocs}: {type(exc).__name__}: "
@@ -216,7 +217,7 @@ def _run_ranks(ctx, nprocs, spec_args: dict, work, listener, join_timeout, retur
             stop_ranks(ranks)
             for rank in ranks:
                 rank.close_pipes()
-    if supervisor.failed or any(r.outcome is None or r.outcome[0] != "ok" for r in ranks):
-        raise LaunchError(_failure_message(ranks))
-    values = [pickle.loads(r.outcome[1]) for r in ranks]
+    if supervisor.failed or any(not isinstance(r.outcome, Returned) for r in ranks):
+        raise LaunchError(failure_message(ranks))
+    values = [pickle.loads(r.outcome.payload) for r in ranks]
     return values if return_all else values[0]

@@ -1,4 +1,5 @@
-"""Inside a started rank: its output, environment, process group and returned value."""
+"""What runs inside a started rank's process: its output, environment, process group, and
+the outcome it sends back to the launcher."""
 
 from __future__ import annotations
 
@@ -10,9 +11,7 @@ import pickle
 import signal
 import socket
 import sys
-import time
 import traceback
-from dataclasses import dataclass
 
 import cloudpickle
 import torch
@@ -22,18 +21,8 @@ from ..backend import backend_device_type
 from ..group_reuse import reusing_launched_group
 from ..private_apis import cuda_in_bad_fork
 from ..ranks import INSIDE_RANK_VAR, RESTART_COUNT_VAR
-from .rank_exit import _end_rank, _finish_group
-
-
-@dataclass(frozen=True)
-class _GroupSpec:
-    world_size: int
-    backend: str
-    master_addr: str
-    master_port: int
-    timeout_s: float
-    cpu_threads: int
-    restart: int = 0  # how many times the ranks were restarted before this attempt
+from .rank_exit import end_rank, finish_group
+from .records import ErrorReport, GroupSpec, Raised, Returned
 
 
 def _as_is(value):
@@ -99,7 +88,7 @@ def _loopback_interface() -> str | None:
     return None
 
 
-def _rank_environment(rank: int, spec: _GroupSpec) -> dict[str, str]:
+def _rank_environment(rank: int, spec: GroupSpec) -> dict[str, str]:
     env = {
         "MASTER_ADDR": spec.master_addr, "MASTER_PORT": str(spec.master_port),
         "RANK": str(rank), "WORLD_SIZE": str(spec.world_size),
@@ -115,7 +104,7 @@ def _rank_environment(rank: int, spec: _GroupSpec) -> dict[str, str]:
     return env
 
 
-def _join_group(rank: int, spec: _GroupSpec, listener: socket.socket | None) -> None:
+def join_group(rank: int, spec: GroupSpec, listener: socket.socket | None) -> None:
     timeout = datetime.timedelta(seconds=spec.timeout_s)
     if backend_device_type(spec.backend) == "cuda":
         if cuda_in_bad_fork():
@@ -138,15 +127,7 @@ def _create_store(rank, spec, listener, timeout) -> dist.TCPStore:
                          timeout=timeout)
 
 
-def _report_exception(exc: BaseException, rank: int, phase: str) -> dict:
-    return {
-        "rank": rank, "phase": phase, "failed_at": time.time(),
-        "type": type(exc).__name__, "message": str(exc).strip(),
-        "traceback": "".join(traceback.format_exception(exc)),
-    }
-
-
-def _rank_main(rank, spec, work, listener, result_conn, stdout_conn, stderr_conn) -> None:
+def run_rank(rank, spec, work, listener, result_conn, stdout_conn, stderr_conn) -> None:
     """Entry point of every launched rank (fork or spawn)."""
     _become_rank(stdout_conn, stderr_conn)
     if listener is not None and rank != 0:
@@ -163,7 +144,7 @@ def _rank_main(rank, spec, work, listener, result_conn, stdout_conn, stderr_conn
     except BaseException:  # the report or the group's end failed: say it on stderr
         traceback.print_exc()
     finally:
-        _end_rank(code)
+        end_rank(code)
 
 
 def _run_and_report(rank, spec, work, listener, result_conn) -> None:
@@ -173,21 +154,21 @@ def _run_and_report(rank, spec, work, listener, result_conn) -> None:
     try:
         fn, args, kwargs = cloudpickle.loads(work) if isinstance(work, bytes) else work
         phase = "rendezvous"
-        _join_group(rank, spec, listener)
+        join_group(rank, spec, listener)
         phase = "run"
         with reusing_launched_group(fn, spec.backend, spec.world_size, rank):
             value = fn(*args, **kwargs)
         phase = "return"
         payload = _dumps_for_host(value)
     except BaseException as exc:  # reported to the launcher, which re-raises it there
-        report = _report_exception(exc, rank, phase)
+        report = ErrorReport.from_exception(exc, rank, phase)
         try:
-            result_conn.send_bytes(pickle.dumps(("error", report)))
+            result_conn.send_bytes(pickle.dumps(Raised(report)))
         finally:
-            _finish_group(clean=False, process_ends=True)
+            finish_group(clean=False, process_ends=True)
         raise _WorkFailed from None
-    result_conn.send_bytes(pickle.dumps(("ok", payload)))
-    _finish_group(clean=True, process_ends=True)
+    result_conn.send_bytes(pickle.dumps(Returned(payload)))
+    finish_group(clean=True, process_ends=True)
 
 
 class _WorkFailed(Exception):

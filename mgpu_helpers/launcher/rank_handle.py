@@ -1,4 +1,4 @@
-"""One started rank as the launcher sees it: its pipes, its output, how it ended."""
+"""The launcher's handle on one started rank: its pipes, its output, how it ended."""
 
 from __future__ import annotations
 
@@ -8,18 +8,20 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
-from .failure import _first_line
+from .records import Outcome, Raised
 
 
-@dataclass
-class _Rank:
+@dataclass(eq=False)  # a handle is one rank: compared by identity, never by its fields
+class RankHandle:
+    """One started rank, seen from the launcher (the parent side of the fork)."""
+
     index: int
     process: mp.process.BaseProcess
     result_conn: object
     stdout_conn: object
     stderr_conn: object
     partial: dict = field(default_factory=lambda: {"stdout": b"", "stderr": b""})
-    outcome: tuple | None = None  # ("ok", bytes) or ("error", report dict)
+    outcome: Outcome | None = None  # what the rank sent back, once it has
     exited_at: float | None = None
     stopped: bool = False  # the launcher signalled it while it still ran
     capture: list[str] | None = None  # collects stderr lines while dumping stacks
@@ -77,9 +79,8 @@ class _Rank:
 
     def describe_end(self) -> str:
         code = self.process.exitcode
-        if self.outcome and self.outcome[0] == "error":
-            report = self.outcome[1]
-            return f"{report['type']}: {_first_line(report['message'])}"
+        if isinstance(self.outcome, Raised):
+            return self.outcome.report.summary()
         if code is None:
             return "still running"
         killed = f"killed by signal {signal.Signals(-code).name}" if code < 0 else None
