@@ -1,6 +1,6 @@
 """Pipelines from scratch on 2 CPU processes, in one run: GPipe against the naive split,
 1F1B and interleaved 1F1B beside GPipe, overlapped against blocking transfers, and what
-stage 0's first backward pass of a step costs.
+rank 0's first backward pass of a step costs.
 
 The model is `mgpu_helpers.labs.gpipe.pipeline_convnet` (9 convolutions of 64 channels on
 16x16 images, batch 64), cut into pieces of equal FLOPs. Four measurements:
@@ -19,7 +19,7 @@ The model is `mgpu_helpers.labs.gpipe.pipeline_convnet` (9 convolutions of 64 ch
 3. Overlapped against blocking transfers, GPipe at M = 8 and 16, in --rounds interleaved
    rounds in one launch (each round runs both, the order alternating): every round's
    median step time is stored.
-4. Stage 0's first backward pass of a step against its other backward passes, at M = 8:
+4. Rank 0's first backward pass of a step against its other backward passes, at M = 8:
    wall time, CPU time and page faults; by default, with the allocator keeping the memory
    it frees, and with one core taken by another process.
 
@@ -41,8 +41,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from mgpu_helpers import pipeline_parallel as pp  # noqa: E402
 from mgpu_helpers.labs import gpipe  # noqa: E402
+from mgpu_helpers.viz import plot_timeline  # noqa: E402
 
 from results_dir import results_dir  # noqa: E402
 
@@ -60,7 +60,7 @@ def _spin(stop) -> None:
 
 
 def gpipe_sweep(steps: int) -> tuple[dict, dict]:
-    result = gpipe.measure_gpipe(COUNTS, stages=2, steps=steps)
+    result = gpipe.measure_gpipe(COUNTS, ranks=2, steps=steps)
     print(f"{'M':>3} {'step':>9} {'speed-up':>9} {'ideal':>6} {'of ideal':>9} "
           f"{'bubble':>7} {'theory':>7}")
     table = {}
@@ -121,9 +121,9 @@ def first_backward(steps: int, launches: int) -> dict:
     print()
     for condition, runs in out.items():
         for run in runs:
-            first, others = (run["stages"][0][key] for key in ("first_backward",
-                                                                "other_backwards"))
-            print(f"stage 0, {condition:<13}: first backward {first['wall_ms']:5.1f} ms "
+            first, others = (run["ranks"][0][key] for key in ("first_backward",
+                                                               "other_backwards"))
+            print(f"rank 0, {condition:<13}: first backward {first['wall_ms']:5.1f} ms "
                   f"(CPU {first['cpu_ms']:5.1f} ms, {first['page_faults']:6.0f} page faults), "
                   f"others {others['wall_ms']:5.1f} ms (CPU {others['cpu_ms']:5.1f} ms, "
                   f"{others['page_faults']:4.0f} faults); gradient gap "
@@ -139,7 +139,7 @@ def plot(table: dict, result: dict, schedule: dict, rounds: dict, backward: dict
     ax.plot(ms, [table[m]["ideal_speedup"] for m in ms], "k--", label="ideal KM/(M+K-1)")
     ax.plot(ms, [table[m]["speedup"] for m in ms], "o-", label="measured")
     ax.set(xscale="log", xticks=ms, xticklabels=ms, xlabel="micro-batches M",
-           ylabel="speed-up over the naive split", title="GPipe, 2 stages")
+           ylabel="speed-up over the naive split", title="GPipe, 2 ranks")
     ax.legend(fontsize=8)
 
     ax = fig.add_subplot(grid[0, 1])
@@ -190,7 +190,7 @@ def plot(table: dict, result: dict, schedule: dict, rounds: dict, backward: dict
     labels, walls, cpus, others = [], [], [], []
     for condition, runs in backward.items():
         for index, run in enumerate(runs):
-            row = run["stages"][0]
+            row = run["ranks"][0]
             labels.append(f"{condition.replace('_', ' ')} {index + 1}\n"
                           f"{row['first_backward']['page_faults']:.0f} faults")
             walls.append(row["first_backward"]["wall_ms"])
@@ -202,16 +202,16 @@ def plot(table: dict, result: dict, schedule: dict, rounds: dict, backward: dict
     ax.bar([x + 0.27 for x in xs], others, width=0.27, label="other backwards, wall (median)")
     ax.set_xticks(list(xs), labels, fontsize=8)
     ax.set(ylabel="ms (median over steps)", ylim=(0, 1.3 * max(walls + others)),
-           title="Stage 0's first backward pass of a step, M = 8")
+           title="Rank 0's first backward pass of a step, M = 8")
     ax.legend(fontsize=8, ncols=3, loc="upper left")
 
-    pp.plot_timeline(result[8]["events"], ax=fig.add_subplot(grid[3, :]),
-                     title=f"GPipe, one step with M = 8: idle {table[8]['bubble']:.0%}")
+    plot_timeline(result[8]["events"], ax=fig.add_subplot(grid[3, :]),
+                  title=f"GPipe, one step with M = 8: idle {table[8]['bubble']:.0%}")
     row = schedule["interleaved"][8]
-    pp.plot_timeline(row["events"], ax=fig.add_subplot(grid[4, :]),
-                     title=f"interleaved 1F1B, 2 ranks x 2 virtual stages, M = 8: idle "
-                           f"{row['bubble']:.0%}, {row['bubble_instant_transfers']:.0%} with "
-                           f"instant transfers (theory {row['theoretical_bubble']:.0%})")
+    plot_timeline(row["events"], ax=fig.add_subplot(grid[4, :]),
+                  title=f"interleaved 1F1B, 2 ranks x 2 virtual stages, M = 8: idle "
+                        f"{row['bubble']:.0%}, {row['bubble_instant_transfers']:.0%} with "
+                        f"instant transfers (theory {row['theoretical_bubble']:.0%})")
     fig.tight_layout()
     fig.savefig(RESULTS / "pipeline_bubble.png", dpi=100)
 

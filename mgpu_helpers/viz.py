@@ -1,4 +1,5 @@
-"""Plots and widgets the chapters use: image grids, augmentation draws, an explorer."""
+"""Plots and widgets the chapters use: image grids, augmentation draws, an explorer, a
+pipeline's Gantt chart."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ from collections.abc import Callable, Sequence
 
 import matplotlib.pyplot as plt
 import torch
+from matplotlib.patches import Patch
 from PIL import Image
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
+
+from .parallel.pipeline import Event, bubble_fraction
 
 
 def _as_displayable(image):
@@ -159,3 +163,40 @@ def sampler_partitions(orders: dict[int, list[list[int]]], dataset_size: int, ti
     ax.set_xlabel(f"{dataset_size} samples; black dot: a padded duplicate")
     fig.tight_layout()
     return fig
+
+
+def plot_timeline(events: Sequence[Event], ax=None, title: str | None = None):
+    """Gantt chart of a pipeline step: one row per rank (``Event.rank``), forward and
+    backward boxes labelled by micro-batch; gaps are the bubble. Where ranks hold several
+    virtual stages, each virtual stage gets its own shade (darker: earlier in the model)
+    and the rows are labelled by rank; with one stage module per rank, by stage."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 0.7 * len({e.rank for e in events}) + 1.2))
+    origin = min(e.start for e in events)
+    pieces = sorted({e.virtual_stage for e in events if e.virtual_stage is not None})
+    if pieces:
+        shades = [0.9 - 0.5 * i / max(1, len(pieces) - 1) for i in range(len(pieces))]
+        maps = {"forward": plt.get_cmap("Blues"), "backward": plt.get_cmap("Oranges")}
+        colours = {(kind, piece): maps[kind](shade) for kind in maps
+                   for piece, shade in zip(pieces, shades, strict=True)}
+        handles = [Patch(color=colours[kind, piece], label=f"{kind[0].upper()} stage {piece}")
+                   for kind in maps for piece in pieces]
+    else:
+        colours = {"forward": "#2a7ab0", "backward": "#e3863b"}
+        handles = [Patch(color=colour, label=kind) for kind, colour in colours.items()]
+    for e in events:
+        start, width = (e.start - origin) * 1e3, (e.end - e.start) * 1e3
+        colour = colours[e.kind, e.virtual_stage] if pieces else colours[e.kind]
+        ax.broken_barh([(start, width)], (e.rank - 0.4, 0.8), color=colour,
+                       edgecolor="white")
+        dark = not pieces or shades[pieces.index(e.virtual_stage)] > 0.6
+        ax.text(start + width / 2, e.rank, str(e.micro_batch), ha="center", va="center",
+                color="white" if dark else "black", fontsize=7)
+    ranks = sorted({e.rank for e in events})
+    ax.set_yticks(ranks, [f"{'rank' if pieces else 'stage'} {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1), fontsize=7,
+              ncols=2 if pieces else 1, frameon=False)
+    ax.set_title(title or f"bubble {bubble_fraction(events):.0%} of the time")
+    return ax

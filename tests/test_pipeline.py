@@ -1,4 +1,5 @@
-"""Pipeline pieces: splitting, costs and balanced cuts, the GPipe step, the timeline."""
+"""Pipeline pieces: splitting, costs and balanced cuts, the messages' tags, the GPipe step,
+the timeline; and the old module that still re-exports them."""
 
 import matplotlib
 import pytest
@@ -7,8 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mgpu_helpers import LaunchError, launch, rank, world_size
-from mgpu_helpers import pipeline_parallel as pp
 from mgpu_helpers.labs import gpipe
+from mgpu_helpers.memory import ActivationMeter
+from mgpu_helpers.parallel import pipeline as pp
+from mgpu_helpers.viz import plot_timeline
 
 matplotlib.use("Agg")
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -65,6 +68,44 @@ def test_micro_batch_count_must_divide_the_batch():
         pp.micro_batch_size(24, 0)
 
 
+def test_split_batch_gives_each_rank_the_micro_batches_it_uses():
+    x, y = batch()
+    inputs, targets = pp.split_batch(x, y, 4, rank=0, ranks=2)
+    assert targets is None and [len(chunk) for chunk in inputs] == [6] * 4
+    torch.testing.assert_close(torch.cat(inputs), x)
+    inputs, targets = pp.split_batch(None, y, 4, rank=1, ranks=2)
+    assert inputs is None and [len(chunk) for chunk in targets] == [6] * 4
+    assert pp.split_batch(None, None, 4, rank=1, ranks=3) == (None, None)  # a middle rank
+    inputs, targets = pp.split_batch(x, y, 3, rank=0, ranks=1)  # one rank: both
+    assert len(inputs) == len(targets) == 3
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ((None, None, 4, 0, 2), "rank 0 runs the first piece: pass inputs"),
+    ((None, None, 4, 2, 3), "rank 2 runs the last piece: pass targets"),
+    ((batch()[0], None, 5, 0, 2), "5 micro-batches do not divide the batch of 24 samples"),
+    ((None, batch()[1], 0, 1, 2), "micro-batch count must be a whole number >= 1, got 0"),
+])
+def test_split_batch_names_what_is_missing_or_wrong(args, message):
+    with pytest.raises(ValueError, match=message):
+        pp.split_batch(*args)
+
+
+# ----------------------------------------------------------------- messages
+
+
+def test_message_tags_are_distinct_per_cut_and_kind_and_keep_their_numbers():
+    kinds = ("header", "activation", "gradient")
+    tags = {(cut, kind): pp.message_tag(cut, kind) for cut in range(5) for kind in kinds}
+    assert len(set(tags.values())) == len(tags)
+    # the numbers on the wire: three per cut, in this order
+    assert all(tag == 3 * cut + kinds.index(kind) for (cut, kind), tag in tags.items())
+    with pytest.raises(ValueError, match="message kind must be one of"):
+        pp.message_tag(0, "loss")
+    with pytest.raises(ValueError, match="cut must be a whole number >= 0"):
+        pp.message_tag(-1, "header")
+
+
 # --------------------------------------------------------- costs and cuts
 
 
@@ -106,10 +147,10 @@ def unsplit_reference():
 
 def pipelined(micro_batches, cuts, overlap=True):
     model = mlp()
-    stage = pp.split_sequential(model, cuts)[rank()]
+    stage_module = pp.split_sequential(model, cuts)[rank()]
     x, y = batch()
     timeline = pp.Timeline(rank())
-    loss = pp.gpipe_step(stage, micro_batches, inputs=x if rank() == 0 else None,
+    loss = pp.gpipe_step(stage_module, micro_batches, inputs=x if rank() == 0 else None,
                          targets=y if rank() == world_size() - 1 else None,
                          timeline=timeline, overlap=overlap)
     grads = {name: p.grad.clone() for name, p in model.named_parameters()
@@ -149,7 +190,7 @@ def test_measure_gpipe_reports_speedups_bubbles_and_a_balanced_cut():
     for m in (1, 2, 4):
         assert result[m]["seconds"] > 0 and 0 <= result[m]["bubble"] < 1
         assert result[m]["ideal_speedup"] == pytest.approx(pp.ideal_speedup(2, m))
-        assert len(result[m]["events"]) == 2 * 2 * m  # 2 stages x forward/backward x M
+        assert len(result[m]["events"]) == 2 * 2 * m  # 2 ranks x forward/backward x M
         assert len(result[m]["bubbles"]) == 1 and result[m]["bubble"] == result[m]["bubbles"][0]
         assert 0 <= result[m]["bubble_instant_transfers"] < 1
 
@@ -159,7 +200,7 @@ def test_measure_gpipe_reports_speedups_bubbles_and_a_balanced_cut():
 
 def test_bubble_fraction_and_theory():
     events = [pp.Event(0, "forward", 0, 0.0, 1.0), pp.Event(1, "forward", 0, 1.0, 2.0)]
-    assert pp.bubble_fraction(events) == pytest.approx(0.5)   # each stage idle half the time
+    assert pp.bubble_fraction(events) == pytest.approx(0.5)   # each rank idle half the time
     assert pp.theoretical_bubble(2, 1) == pytest.approx(0.5)
     assert pp.theoretical_bubble(4, 13) == pytest.approx(3 / 16)
     assert pp.ideal_speedup(2, 8) == pytest.approx(16 / 9)
@@ -168,14 +209,14 @@ def test_bubble_fraction_and_theory():
 
 
 def test_timeline_records_and_plots():
-    timeline = pp.Timeline(stage=1)
+    timeline = pp.Timeline(rank=1)
     with timeline.record("forward", 3):
         sum(range(1000))
     (event,) = timeline.events
-    assert (event.stage, event.kind, event.micro_batch) == (1, "forward", 3)
+    assert (event.rank, event.kind, event.micro_batch) == (1, "forward", 3)
     assert event.end >= event.start
-    ax = pp.plot_timeline(timeline.events + [pp.Event(0, "backward", 3, event.end,
-                                                      event.end + 0.001)])
+    ax = plot_timeline(timeline.events + [pp.Event(0, "backward", 3, event.end,
+                                                   event.end + 0.001)])
     assert [t.get_text() for t in ax.get_yticklabels()] == ["stage 0", "stage 1"]
 
 
@@ -218,7 +259,7 @@ def test_torch_pipelining_schedules_match_the_unsplit_model(schedule_name):
 
 def test_activation_meter_counts_saved_activations_until_backward_frees_them():
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
-    with pp.ActivationMeter(exclude=model.parameters()) as meter:
+    with ActivationMeter(exclude=model.parameters()) as meter:
         first = model(torch.randn(10, 8)).sum()
         after_one = meter.current
         second = model(torch.randn(10, 8)).sum()
@@ -279,9 +320,27 @@ def test_interleaving_needs_two_stages_per_rank():
 
 
 @pytest.mark.parametrize("step", ["gpipe_step", "interleaved_1f1b_step"])
-def test_the_from_scratch_steps_refuse_a_stage_that_is_not_on_the_cpu(step):
-    stage = mlp().to("meta")  # stands in for a GPU stage: any device but the CPU
+def test_the_from_scratch_steps_refuse_a_stage_module_that_is_not_on_the_cpu(step):
+    stage_module = mlp().to("meta")  # stands in for a GPU stage: any device but the CPU
     run = getattr(pp, step)
     with pytest.raises(ValueError, match=r"parameter '0.weight' is on meta; for GPU stages "
                                          r"use torch.distributed.pipelining"):
-        run(stage if step == "gpipe_step" else [stage], 2, *batch())
+        run(stage_module if step == "gpipe_step" else [stage_module], 2, *batch())
+
+
+# ------------------------------------------------------------- the old module
+
+OLD_NAMES = ("MAX_DIMS", "ActivationMeter", "Event", "LayerCost", "Timeline",
+             "balanced_cuts", "bubble_fraction", "bubble_to_compute", "gpipe_step",
+             "ideal_speedup", "instant_transfers", "interleaved_1f1b_step",
+             "interleaved_order", "layer_costs", "micro_batch_size", "plot_timeline",
+             "split_sequential", "theoretical_bubble")
+
+
+def test_the_old_module_still_exposes_every_old_name_from_its_new_home():
+    from mgpu_helpers import memory, pipeline_parallel, viz
+
+    homes = {"ActivationMeter": memory, "plot_timeline": viz}
+    for name in OLD_NAMES:
+        assert getattr(pipeline_parallel, name) is getattr(homes.get(name, pp), name), name
+    assert sorted(pipeline_parallel.__all__) == sorted(OLD_NAMES)

@@ -11,8 +11,9 @@ from test_pipeline import batch, mlp  # the same small model and batch
 from torch import nn
 
 from mgpu_helpers import LaunchError, launch, rank, world_size
-from mgpu_helpers import pipeline_parallel as pp
 from mgpu_helpers.labs import gpipe
+from mgpu_helpers.parallel import pipeline as pp
+from mgpu_helpers.viz import plot_timeline
 
 matplotlib.use("Agg")
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -92,7 +93,7 @@ def test_theory_as_a_share_of_the_step_and_over_the_ideal_compute():
     assert pp.bubble_to_compute(2, 8, 2) == pytest.approx(1 / 16)      # (K-1)/(vM)
     share = pp.theoretical_bubble(4, 8, 3)
     assert share / (1 - share) == pytest.approx(pp.bubble_to_compute(4, 8, 3))
-    with pytest.raises(ValueError, match="stages must be a whole number >= 1, got 0"):
+    with pytest.raises(ValueError, match="ranks must be a whole number >= 1, got 0"):
         pp.theoretical_bubble(0, 8)
 
 
@@ -107,10 +108,10 @@ def test_idle_share_counts_ranks_not_pieces():
 
 
 def test_instant_transfers_close_the_gaps_that_messages_left():
-    # GPipe, 2 stages, 1 micro-batch; every message took 0.5 s
+    # GPipe, 2 ranks, 1 micro-batch; every message took 0.5 s
     events = [pp.Event(0, "forward", 0, 0.0, 1.0), pp.Event(1, "forward", 0, 1.5, 2.5),
               pp.Event(1, "backward", 0, 2.5, 4.5), pp.Event(0, "backward", 0, 5.0, 7.0)]
-    replayed = {(e.stage, e.kind): (e.start, e.end) for e in pp.instant_transfers(events)}
+    replayed = {(e.rank, e.kind): (e.start, e.end) for e in pp.instant_transfers(events)}
     assert replayed == {(0, "forward"): (0.0, 1.0), (1, "forward"): (1.0, 2.0),
                         (1, "backward"): (2.0, 4.0), (0, "backward"): (4.0, 6.0)}
     assert pp.bubble_fraction(events) == pytest.approx(1 - 6 / 14)
@@ -128,7 +129,7 @@ def test_instant_transfers_refuse_events_that_are_not_one_step():
 
 def test_gantt_chart_shades_each_virtual_stage():
     orders = [pp.interleaved_order(r, 2, 2, 2) for r in range(2)]
-    ax = pp.plot_timeline(pp.instant_transfers(unit_timeline(orders)))
+    ax = plot_timeline(pp.instant_transfers(unit_timeline(orders)))
     assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1"]
     labels = [text.get_text() for text in ax.get_legend().get_texts()]
     assert labels == [f"{kind} stage {piece}" for kind in "FB" for piece in range(4)]
@@ -175,7 +176,7 @@ def test_interleaved_step_gives_the_unsplit_gradients_and_times_every_piece(
         assert sorted((e.virtual_stage, e.kind, e.micro_batch) for e in events) == sorted(
             (chunk * ranks + r, kind, m) for chunk in range(virtual)
             for kind in ("forward", "backward") for m in range(micro_batches))
-        assert {e.stage for e in events} == {r}
+        assert {e.rank for e in events} == {r}
         grads.update(rank_grads)
     assert sorted(grads) == sorted(expected_grads)              # every parameter, once
     for name, expected in expected_grads.items():
@@ -212,7 +213,7 @@ def test_compare_schedules_times_every_piece_and_reports_the_theory():
             assert len(row["runs"]) == len(row["bubbles"]) == 2 and row["seconds"] > 0
             assert row["bubble"] in row["bubbles"]
             pieces = range(2 * virtual)
-            assert sorted((e.virtual_stage if virtual > 1 else e.stage, e.kind, e.micro_batch)
+            assert sorted((e.virtual_stage if virtual > 1 else e.rank, e.kind, e.micro_batch)
                           for e in row["events"]) == sorted(
                 (piece, kind, i) for piece in pieces for kind in ("forward", "backward")
                 for i in range(m))
@@ -247,7 +248,7 @@ def test_measure_overlap_rounds_stores_every_round_of_both_transfers():
 
 
 def test_profiled_timeline_notes_cpu_time_and_page_faults_per_event():
-    timeline = gpipe.ProfiledTimeline(stage=0)
+    timeline = gpipe.ProfiledTimeline(rank=0)
     with timeline.record("forward", 0):
         torch.ones(1 << 20).sum()  # 4 MiB, touched
     with timeline.record("backward", 0, virtual_stage=2):
@@ -263,13 +264,13 @@ def test_profiled_timeline_notes_cpu_time_and_page_faults_per_event():
 def test_first_backward_costs_compare_the_first_backward_with_the_others(keep_memory):
     result = gpipe.first_backward_costs(4, steps=2, keep_memory=keep_memory, **SMALL)
     assert result["settings"]["keep_memory"] is keep_memory
-    assert len(result["stages"]) == 2
+    assert len(result["ranks"]) == 2
     assert 0 < result["gradient_gap_min_ms"] <= result["gradient_gap_ms"]
-    for stage in result["stages"]:
+    for costs in result["ranks"]:
         for key in ("first_backward", "other_backwards", "forwards", "process_first_backward"):
-            assert set(stage[key]) == {"wall_ms", "cpu_ms", "page_faults"}
-            assert stage[key]["wall_ms"] > 0 and stage[key]["page_faults"] >= 0
-        assert stage["first_to_other"] == pytest.approx(
-            stage["first_backward"]["wall_ms"] / stage["other_backwards"]["wall_ms"])
+            assert set(costs[key]) == {"wall_ms", "cpu_ms", "page_faults"}
+            assert costs[key]["wall_ms"] > 0 and costs[key]["page_faults"] >= 0
+        assert costs["first_to_other"] == pytest.approx(
+            costs["first_backward"]["wall_ms"] / costs["other_backwards"]["wall_ms"])
     with pytest.raises(ValueError, match="use at least 2 micro-batches"):
         gpipe.first_backward_costs(1, **SMALL)

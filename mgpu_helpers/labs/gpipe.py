@@ -1,12 +1,14 @@
 """Chapter 06's pipeline measurements on CPU ranks: step time and idle share of GPipe
 for 1 to M micro-batches (the naive split is M = 1); GPipe, 1F1B and interleaved 1F1B
 side by side, each with its steps' timelines; overlapped against blocking transfers in
-interleaved rounds; and what stage 0's first backward pass of a step costs (CPU time,
+interleaved rounds; and what rank 0's first backward pass of a step costs (CPU time,
 page faults).
 
 The pipeline itself (``split_sequential``, ``gpipe_step``, ``interleaved_1f1b_step``,
-``Timeline``...) is the core module :mod:`mgpu_helpers.pipeline_parallel`; this module
-only builds a model made for the measurements and times it.
+``Timeline``...) is the core package :mod:`mgpu_helpers.parallel.pipeline`; this module
+only builds a model made for the measurements and times it. The measurements' results
+are plain dicts (the benchmark writes them to JSON); a pipeline to time is a
+:class:`PipelineConfig`, its schedule a :class:`Schedule`.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..launcher import launch
-from ..pipeline_parallel import (
+from ..parallel.pipeline import (
     Event,
     Timeline,
     balanced_cuts,
@@ -74,6 +77,19 @@ def example_batch(model_kwargs: dict, batch_size: int, seed: int = 1) -> tuple:
     return inputs, targets
 
 
+@dataclass(frozen=True)
+class ProfiledEvent:
+    """One pass of a profiled step: which, when, and the CPU time and minor page faults
+    its thread spent in it."""
+
+    kind: str          # "forward" or "backward"
+    micro_batch: int
+    start: float
+    end: float
+    cpu_seconds: float
+    page_faults: int
+
+
 class ProfiledTimeline(Timeline):
     """A :class:`Timeline` that also notes, for every event, the CPU time this thread
     spent in it and the minor page faults it took (memory the kernel had to map and
@@ -81,8 +97,8 @@ class ProfiledTimeline(Timeline):
     ``events[i]``. Wall time well above CPU time means the thread was not running
     (waiting, or its core taken by another process)."""
 
-    def __init__(self, stage: int):
-        super().__init__(stage)
+    def __init__(self, rank: int):
+        super().__init__(rank)
         self.profile: list[tuple[float, int]] = []
 
     @contextmanager
@@ -91,6 +107,11 @@ class ProfiledTimeline(Timeline):
         with super().record(kind, micro_batch, virtual_stage):
             yield
         self.profile.append((time.thread_time() - cpu, _page_faults() - faults))
+
+    def profiled_events(self) -> list[ProfiledEvent]:
+        """Each event with what it cost its thread."""
+        return [ProfiledEvent(e.kind, e.micro_batch, e.start, e.end, cpu, faults)
+                for e, (cpu, faults) in zip(self.events, self.profile, strict=True)]
 
 
 def _page_faults() -> int:
@@ -109,13 +130,36 @@ def _equal_flop_cuts(model_kwargs: dict, pieces: int) -> list[int]:
     return balanced_cuts([cost.flops for cost in costs], pieces)
 
 
-def _stage_runner(model_kwargs: dict, cuts: list[int], batch_size: int, schedule: str,
-                  virtual_stages: int = 1) -> Callable:
-    """Inside a rank: this rank's pieces of :func:`pipeline_convnet`, and a function
-    that runs one training step of them with ``schedule`` ("gpipe" or "1f1b")."""
+@dataclass(frozen=True)
+class Schedule:
+    """How a pipeline runs its passes: ``kind`` "gpipe" or "1f1b" (interleaved where
+    each rank holds ``virtual_stages`` > 1 pieces)."""
+
+    kind: str
+    virtual_stages: int = 1
+
+
+GPIPE = Schedule("gpipe")
+SCHEDULES = {"gpipe": GPIPE, "1f1b": Schedule("1f1b"), "interleaved": Schedule("1f1b", 2)}
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """One pipeline to time: where :func:`pipeline_convnet` is cut (``ranks x
+    virtual_stages`` pieces), its schedule, and whether transfers overlap computation."""
+
+    cuts: tuple[int, ...]
+    schedule: Schedule = GPIPE
+    overlap: bool = True
+
+
+def _stage_runner(model_kwargs: dict, cuts: Sequence[int], batch_size: int,
+                  schedule: Schedule = GPIPE) -> Callable:
+    """Inside a rank: this rank's stage modules of :func:`pipeline_convnet`, and a
+    function that runs one training step of them with ``schedule``."""
     rank, world = dist.get_rank(), dist.get_world_size()
     pieces = split_sequential(pipeline_convnet(**model_kwargs), cuts)
-    mine = [pieces[chunk * world + rank] for chunk in range(virtual_stages)]
+    mine = [pieces[chunk * world + rank] for chunk in range(schedule.virtual_stages)]
     inputs, targets = example_batch(model_kwargs, batch_size)
     inputs = inputs if rank == 0 else None
     targets = targets if rank == world - 1 else None
@@ -123,7 +167,7 @@ def _stage_runner(model_kwargs: dict, cuts: list[int], batch_size: int, schedule
     def step(micro_batches: int, timeline: Timeline, overlap: bool = True) -> None:
         for piece in mine:
             piece.zero_grad(set_to_none=True)
-        if schedule == "gpipe":
+        if schedule.kind == "gpipe":
             gpipe_step(mine[0], micro_batches, inputs, targets, timeline=timeline,
                        overlap=overlap)
         else:
@@ -148,14 +192,12 @@ def _time_steps(step: Callable, micro_batches: int, steps: int, overlap: bool = 
     return seconds, timelines
 
 
-def _timed_steps(model_kwargs: dict, configs: dict, batch_size: int,
+def _timed_steps(model_kwargs: dict, configs: dict[str, PipelineConfig], batch_size: int,
                  micro_batch_counts: list[int], steps: int) -> dict:
-    """Inside a rank: ``steps`` timed steps of every pipeline in ``configs`` (name ->
-    cuts, schedule, virtual stages, overlap) for each micro-batch count, taken in turns
-    (one step of each, then the next round), so that a burst of load elsewhere on the
-    machine hits them all alike."""
-    runners = {name: _stage_runner(model_kwargs, config["cuts"], batch_size,
-                                   config["schedule"], config["virtual_stages"])
+    """Inside a rank: ``steps`` timed steps of every pipeline in ``configs`` (by name)
+    for each micro-batch count, taken in turns (one step of each, then the next round),
+    so that a burst of load elsewhere on the machine hits them all alike."""
+    runners = {name: _stage_runner(model_kwargs, config.cuts, batch_size, config.schedule)
                for name, config in configs.items()}
     cases = [(name, m) for name in configs for m in micro_batch_counts]
     results = {name: {m: {"seconds": [], "events": [], "cpu": []} for m in micro_batch_counts}
@@ -165,7 +207,7 @@ def _timed_steps(model_kwargs: dict, configs: dict, batch_size: int,
             timeline = ProfiledTimeline(dist.get_rank())
             dist.barrier()
             start = time.perf_counter()
-            runners[name](m, timeline, configs[name]["overlap"])
+            runners[name](m, timeline, configs[name].overlap)
             if index:
                 results[name][m]["seconds"].append(time.perf_counter() - start)
                 results[name][m]["events"].append(timeline.events)
@@ -181,7 +223,7 @@ def _median_index(values: Sequence[float]) -> int:
 def _as_long_as_their_cpu_time(events: Sequence[Event], cpu: Sequence[float]) -> list:
     """The events, each lasting as long as the CPU time its thread spent in it: without
     the time a rank waited for a core that another process held."""
-    return [Event(e.stage, e.kind, e.micro_batch, e.start, e.start + seconds,
+    return [Event(e.rank, e.kind, e.micro_batch, e.start, e.start + seconds,
                   e.virtual_stage) for e, seconds in zip(events, cpu, strict=True)]
 
 
@@ -208,16 +250,16 @@ def _model_kwargs(channels: int, depth: int, image_size: int) -> dict:
     return {"channels": channels, "depth": depth, "image_size": image_size}
 
 
-def measure_gpipe(micro_batch_counts: Sequence[int] = (1, 2, 4, 8, 16), stages: int = 2,
+def measure_gpipe(micro_batch_counts: Sequence[int] = (1, 2, 4, 8, 16), ranks: int = 2,
                   batch_size: int = 64, channels: int = 64, depth: int = 9,
                   image_size: int = 16, steps: int = 5, overlap: bool = True) -> dict:
-    """Step time of the naive split (M = 1) and of GPipe for each M, on ``stages`` CPU
+    """Step time of the naive split (M = 1) and of GPipe for each M, on ``ranks`` CPU
     ranks, with the idle share of every step (the counts are timed in turns).
 
     Returns ``{micro_batches: {"seconds": median step time, "runs": [...], "speedup":
     over M = 1, "ideal_speedup", "bubble": the median step's idle share, "bubbles": every
     step's, "bubble_instant_transfers": the median with instant transfers
-    (:func:`~mgpu_helpers.pipeline_parallel.instant_transfers`), "theoretical_bubble",
+    (:func:`~mgpu_helpers.parallel.pipeline.instant_transfers`), "theoretical_bubble",
     "events": the median step's timeline}}`` plus the settings under ``"settings"``.
     """
     counts = sorted(set(micro_batch_counts))
@@ -226,26 +268,22 @@ def measure_gpipe(micro_batch_counts: Sequence[int] = (1, 2, 4, 8, 16), stages: 
     for m in counts:
         micro_batch_size(batch_size, m)
     model_kwargs = _model_kwargs(channels, depth, image_size)
-    cuts = _equal_flop_cuts(model_kwargs, stages)
-    configs = {"gpipe": {"cuts": cuts, "schedule": "gpipe", "virtual_stages": 1,
-                         "overlap": overlap}}
-    # CPU ranks on every machine: the stages, their tensors and the timings are the CPU
-    # pipeline this measurement explains (a GPU pipeline would send through NCCL).
+    cuts = _equal_flop_cuts(model_kwargs, ranks)
+    configs = {"gpipe": PipelineConfig(tuple(cuts), GPIPE, overlap)}
+    # CPU ranks on every machine: the stage modules, their tensors and the timings are the
+    # CPU pipeline this measurement explains (a GPU pipeline would send through NCCL).
     per_rank = launch(_timed_steps, model_kwargs, configs, batch_size, counts, steps,
-                      nprocs=stages, backend="gloo", return_all=True)
+                      nprocs=ranks, backend="gloo", return_all=True)
     per_rank = [r["gpipe"] for r in per_rank]
-    result: dict = {"settings": {"stages": stages, "batch_size": batch_size, **model_kwargs,
+    result: dict = {"settings": {"ranks": ranks, "batch_size": batch_size, **model_kwargs,
                                  "steps": steps, "cuts": cuts, "overlap": overlap}}
     for m in counts:
         result[m] = {**_summarise(per_rank, m),
-                     "theoretical_bubble": theoretical_bubble(stages, m),
-                     "ideal_speedup": ideal_speedup(stages, m)}
+                     "theoretical_bubble": theoretical_bubble(ranks, m),
+                     "ideal_speedup": ideal_speedup(ranks, m)}
     for m in counts:
         result[m]["speedup"] = result[1]["seconds"] / result[m]["seconds"]
     return result
-
-
-SCHEDULES = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved": ("1f1b", 2)}
 
 
 def compare_schedules(micro_batch_counts: Sequence[int] = (2, 4, 8, 16), ranks: int = 2,
@@ -269,24 +307,26 @@ def compare_schedules(micro_batch_counts: Sequence[int] = (2, 4, 8, 16), ranks: 
     for m in counts:
         micro_batch_size(batch_size, m)
         for name in schedules:
-            interleaved_order(0, ranks, SCHEDULES[name][1], m)  # a count it accepts
+            interleaved_order(0, ranks, SCHEDULES[name].virtual_stages, m)  # a count it accepts
     model_kwargs = _model_kwargs(channels, depth, image_size)
-    configs = {name: {"cuts": _equal_flop_cuts(model_kwargs, ranks * SCHEDULES[name][1]),
-                      "schedule": SCHEDULES[name][0], "virtual_stages": SCHEDULES[name][1],
-                      "overlap": True} for name in schedules}
+    configs = {}
+    for name in schedules:
+        schedule = SCHEDULES[name]
+        cuts = _equal_flop_cuts(model_kwargs, ranks * schedule.virtual_stages)
+        configs[name] = PipelineConfig(tuple(cuts), schedule)
     # CPU ranks on every machine, as in measure_gpipe: the CPU pipeline it explains.
     per_rank = launch(_timed_steps, model_kwargs, configs, batch_size, counts, steps,
                       nprocs=ranks, backend="gloo", return_all=True)
     result: dict = {"settings": {"ranks": ranks, "batch_size": batch_size, **model_kwargs,
                                  "steps": steps, "micro_batches": counts,
-                                 "cuts": {name: c["cuts"] for name, c in configs.items()},
-                                 "virtual_stages": {name: c["virtual_stages"]
+                                 "cuts": {name: list(c.cuts) for name, c in configs.items()},
+                                 "virtual_stages": {name: c.schedule.virtual_stages
                                                     for name, c in configs.items()}}}
     for name, config in configs.items():
         result[name] = {}
         for m in counts:
             row = _summarise([r[name] for r in per_rank], m)
-            virtual = config["virtual_stages"]
+            virtual = config.schedule.virtual_stages
             row["theoretical_bubble"] = theoretical_bubble(ranks, m, virtual)
             row["bubble_to_compute"] = row["bubble"] / (1 - row["bubble"])
             row["theoretical_bubble_to_compute"] = bubble_to_compute(ranks, m, virtual)
@@ -301,7 +341,7 @@ def _overlap_rounds(model_kwargs: dict, cuts: list[int], batch_size: int,
                     micro_batch_counts: list[int], steps: int, rounds: int) -> list:
     """Inside a rank: per round, per M, both kinds of transfer in turn (the order
     alternates between rounds): the seconds of every timed step."""
-    step = _stage_runner(model_kwargs, cuts, batch_size, "gpipe")
+    step = _stage_runner(model_kwargs, cuts, batch_size)
     measured = []
     for index in range(rounds):
         kinds = ("overlapped", "blocking") if index % 2 == 0 else ("blocking", "overlapped")
@@ -314,7 +354,7 @@ def _overlap_rounds(model_kwargs: dict, cuts: list[int], batch_size: int,
 
 
 def measure_overlap_rounds(micro_batch_counts: Sequence[int] = (8, 16), rounds: int = 5,
-                           steps: int = 5, stages: int = 2, batch_size: int = 64,
+                           steps: int = 5, ranks: int = 2, batch_size: int = 64,
                            channels: int = 64, depth: int = 9, image_size: int = 16) -> dict:
     """GPipe with overlapped (non-blocking) against blocking transfers, measured in
     ``rounds`` interleaved rounds in one launch, so that both meet the same load.
@@ -332,10 +372,10 @@ def measure_overlap_rounds(micro_batch_counts: Sequence[int] = (8, 16), rounds: 
     for m in counts:
         micro_batch_size(batch_size, m)
     model_kwargs = _model_kwargs(channels, depth, image_size)
-    cuts = _equal_flop_cuts(model_kwargs, stages)
+    cuts = _equal_flop_cuts(model_kwargs, ranks)
     # CPU ranks on every machine, as in measure_gpipe: the CPU pipeline it explains.
     per_rank = launch(_overlap_rounds, model_kwargs, cuts, batch_size, counts, steps,
-                      rounds, nprocs=stages, backend="gloo", return_all=True)
+                      rounds, nprocs=ranks, backend="gloo", return_all=True)
     table = []
     for index in range(rounds):
         row = {}
@@ -354,12 +394,12 @@ def measure_overlap_rounds(micro_batch_counts: Sequence[int] = (8, 16), rounds: 
                    "median_ratio": statistics.median(row[m]["blocking"] / row[m]["overlapped"]
                                                      for row in table)}
                for m in counts}
-    return {"settings": {"stages": stages, "batch_size": batch_size, **model_kwargs,
+    return {"settings": {"ranks": ranks, "batch_size": batch_size, **model_kwargs,
                          "steps": steps, "rounds": rounds, "cuts": cuts},
             "rounds": table, "summary": summary}
 
 
-# ------------------------------------------------- stage 0's first backward pass
+# -------------------------------------------------- rank 0's first backward pass
 
 
 def keep_freed_memory() -> None:
@@ -380,41 +420,38 @@ def keep_freed_memory() -> None:
 def _profiled_steps(model_kwargs: dict, cuts: list[int], batch_size: int,
                     micro_batches: int, steps: int, keep_memory: bool) -> list:
     """Inside a rank: the process's first GPipe step, then a warm-up and ``steps`` timed
-    ones, with a :class:`ProfiledTimeline`: per step, per event, (kind, micro-batch,
-    start, end, cpu seconds, page faults)."""
+    ones, with a :class:`ProfiledTimeline`: per step, its :class:`ProfiledEvent` list."""
     if keep_memory:
         keep_freed_memory()
-    step = _stage_runner(model_kwargs, cuts, batch_size, "gpipe")
+    step = _stage_runner(model_kwargs, cuts, batch_size)
     first = ProfiledTimeline(dist.get_rank())
     dist.barrier()
     step(micro_batches, first)
     _, timelines = _time_steps(step, micro_batches, steps, timeline_type=ProfiledTimeline)
-    return [[(e.kind, e.micro_batch, e.start, e.end, cpu, faults)
-             for e, (cpu, faults) in zip(t.events, t.profile, strict=True)]
-            for t in [first, *timelines]]
+    return [t.profiled_events() for t in [first, *timelines]]
 
 
-def _median_costs(events: list) -> dict:
-    return {"wall_ms": 1e3 * statistics.median(e[3] - e[2] for e in events),
-            "cpu_ms": 1e3 * statistics.median(e[4] for e in events),
-            "page_faults": statistics.median(e[5] for e in events)}
+def _median_costs(events: Sequence[ProfiledEvent]) -> dict:
+    return {"wall_ms": 1e3 * statistics.median(e.end - e.start for e in events),
+            "cpu_ms": 1e3 * statistics.median(e.cpu_seconds for e in events),
+            "page_faults": statistics.median(e.page_faults for e in events)}
 
 
 def first_backward_costs(micro_batches: int = 8, steps: int = 9, keep_memory: bool = False,
-                         stages: int = 2, batch_size: int = 64, channels: int = 64,
+                         ranks: int = 2, batch_size: int = 64, channels: int = 64,
                          depth: int = 9, image_size: int = 16) -> dict:
-    """What each stage's first backward pass of a GPipe step costs, against its other
+    """What each rank's first backward pass of a GPipe step costs, against its other
     backward passes and its forward passes: medians over ``steps`` timed steps (after a
     warm-up) of the wall time, the CPU time and the page faults of each; with
     ``keep_memory`` the allocator keeps what it frees (:func:`keep_freed_memory`).
 
-    Returns ``{"settings", "stages": [{"first_backward": {"wall_ms", "cpu_ms",
+    Returns ``{"settings", "ranks": [{"first_backward": {"wall_ms", "cpu_ms",
     "page_faults"}, "other_backwards", "forwards", "first_to_other": wall-time ratio,
     "process_first_backward": the same for the first backward pass the process ever ran
-    (in its first step, which the timed steps leave out)}, ...], "gradient_gap_ms",
+    (in its first step, which the timed steps leave out)}, one per rank], "gradient_gap_ms",
     "gradient_gap_min_ms"}``, the gap (median and smallest over the steps) being how long
-    after stage 1 finished its first backward pass of a step stage 0 started its own:
-    the gradient's way from one to the other, idle time. A gap above 0 shows that stage
+    after rank 1 finished its first backward pass of a step rank 0 started its own:
+    the gradient's way from one to the other, idle time. A gap above 0 shows that rank
     0's box starts after the gradient it needs exists: the wait is not in the box.
     """
     micro_batch_size(batch_size, micro_batches)
@@ -422,29 +459,29 @@ def first_backward_costs(micro_batches: int = 8, steps: int = 9, keep_memory: bo
         raise ValueError("first_backward_costs compares the first backward pass with the "
                          "others: use at least 2 micro-batches")
     model_kwargs = _model_kwargs(channels, depth, image_size)
-    cuts = _equal_flop_cuts(model_kwargs, stages)
+    cuts = _equal_flop_cuts(model_kwargs, ranks)
     # CPU ranks on every machine, as in measure_gpipe: the CPU pipeline it explains.
     per_rank = launch(_profiled_steps, model_kwargs, cuts, batch_size, micro_batches, steps,
-                      keep_memory, nprocs=stages, backend="gloo", return_all=True)
+                      keep_memory, nprocs=ranks, backend="gloo", return_all=True)
     summary = []
     for process_first, *rank_steps in per_rank:
-        backwards = [[e for e in events if e[0] == "backward"] for events in rank_steps]
+        backwards = [[e for e in events if e.kind == "backward"] for events in rank_steps]
         first = _median_costs([b[0] for b in backwards])
         others = _median_costs([e for b in backwards for e in b[1:]])
         summary.append({
             "first_backward": first, "other_backwards": others,
             "forwards": _median_costs([e for events in rank_steps for e in events
-                                       if e[0] == "forward"]),
+                                       if e.kind == "forward"]),
             "first_to_other": first["wall_ms"] / others["wall_ms"],
             "process_first_backward": _median_costs(
-                [next(e for e in process_first if e[0] == "backward")])})
-    gaps = [next(e for e in zero if e[0] == "backward")[2]
-            - next(e for e in one if e[0] == "backward")[3]
+                [next(e for e in process_first if e.kind == "backward")])})
+    gaps = [next(e for e in zero if e.kind == "backward").start
+            - next(e for e in one if e.kind == "backward").end
             for zero, one in zip(per_rank[0][1:], per_rank[1][1:], strict=True)]
-    return {"settings": {"stages": stages, "micro_batches": micro_batches, "steps": steps,
+    return {"settings": {"ranks": ranks, "micro_batches": micro_batches, "steps": steps,
                          "keep_memory": keep_memory, "batch_size": batch_size,
                          **model_kwargs, "cuts": cuts},
-            "stages": summary, "gradient_gap_ms": 1e3 * statistics.median(gaps),
+            "ranks": summary, "gradient_gap_ms": 1e3 * statistics.median(gaps),
             "gradient_gap_min_ms": 1e3 * min(gaps)}
 
 

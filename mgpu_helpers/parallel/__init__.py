@@ -1,0 +1,9 @@
+"""Model parallelism, one subpackage per way of dividing a model across ranks.
+
+:mod:`~mgpu_helpers.parallel.pipeline` (chapter 06) cuts a model into pieces that run one
+after the other on different ranks. Tensor, context and expert parallelism (``tensor``,
+``context``, ``expert``) will sit beside it, in the same shape: in each, the algorithm
+(what is cut where, which rank computes what, in which order) lives apart from its
+communication (what is sent to whom, and how messages are told apart), so that a reader
+can follow one without the other.
+"""
