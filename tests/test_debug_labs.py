@@ -8,9 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
 
 from mgpu_helpers import LaunchError, launch, rank
+from mgpu_helpers.data.loading import loader_generator, seed_worker
 from mgpu_helpers.labs import debug_labs as labs
+from mgpu_helpers.labs.augmentation_seeds import RandomAngles
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 BOUND = {"nprocs": 2, "timeout": 30, "join_timeout": 60}  # launches that must not time out
@@ -225,6 +228,27 @@ def test_identical_augmentation_across_ranks_is_detected_and_fixed():
     for draws in same + fixed:
         assert {worker for _, worker, _ in draws} == {0, 1}
         assert set(angles(draws, 0)).isdisjoint(angles(draws, 1))
+
+
+def test_the_augmentation_lab_draws_chapter_02s_random_angles():
+    assert isinstance(labs.TaggedAngles(4, degrees=30.0).angles, RandomAngles)
+    # The lab's angles are RandomAngles' own draws, loaded as the lab loads them: each
+    # rank's share of 16 samples, 2 workers, the loader seeded per rank (the fix).
+    drawn = launch(labs.lab_identical_augmentation, True, return_all=True, **BOUND)
+    for index, draws in enumerate(drawn):
+        dataset = RandomAngles(16, degrees=30.0)
+        sampler = DistributedSampler(dataset, num_replicas=2, rank=index, shuffle=False)
+        loader = DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=2,
+                            collate_fn=list, worker_init_fn=seed_worker,
+                            generator=loader_generator(0, index))
+        assert angles(draws) == [angle for batch in loader for angle in batch]
+    # without workers, the loading process draws (worker -1), from its own generator
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        tagged = [labs.TaggedAngles(3, degrees=30.0)[index] for index in range(3)]
+        torch.manual_seed(0)
+        plain = [RandomAngles(3, degrees=30.0)[index] for index in range(3)]
+    assert tagged == [(index, -1, angle) for index, angle in enumerate(plain)]
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """Chapter 02's seeding experiment: a dataset whose samples are the random rotation
 angles an augmentation draws, to see which ranks and workers draw the same ones.
+Chapter 09's augmentation lab (:mod:`.debug_labs.augmentation`) draws from it too.
 
 It lives in a module, not in the notebook, so that DataLoader workers started by *spawn*
 or *forkserver* can unpickle it.
