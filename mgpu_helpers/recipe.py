@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,7 +48,7 @@ REFERENCE_BATCH = 64
 
 @dataclass
 class DigitsRun:
-    """Settings of one training run (the script's command-line options).
+    """Settings of one training run (most are the script's command-line options).
 
     ``global_batch`` is the number of samples per optimizer step over all ranks (and
     accumulated micro-batches): each rank's micro-batch is ``global_batch / (ranks x
@@ -56,18 +56,29 @@ class DigitsRun:
     a global batch of ``REFERENCE_BATCH``; it decays along a cosine to 0 at the end.
     ``stop_after`` ends the run after that many epochs (as if it had been interrupted);
     running again with the same checkpoint resumes.
+
+    A field's ``metadata`` holds its option's help text and allowed values:
+    ``scripts/train_ddp.py`` derives its options from the fields (``cli.add_options``).
     """
 
     epochs: int = 4
-    global_batch: int = REFERENCE_BATCH
-    lr: float = 1e-3
+    global_batch: int = field(default=REFERENCE_BATCH, metadata={
+        "help": "samples per optimizer step over all ranks (split between them)"})
+    lr: float = field(default=1e-3, metadata={
+        "help": f"Adam's peak learning rate for a global batch of {REFERENCE_BATCH} "
+                "(scaled by the square-root rule for other global batches)"})
     seed: int = 0
     checkpoint: Path | None = None
     stop_after: int | None = None
-    limit: int | None = None
-    workers: int = 0
-    accumulate: int = 1
-    amp: str | None = None
+    limit: int | None = field(default=None, metadata={
+        "help": "train on the first N training images only (quick runs)"})
+    workers: int = field(default=0, metadata={"help": "DataLoader workers per rank"})
+    accumulate: int = field(default=1, metadata={
+        "help": "batches per optimizer step (gradient accumulation, no_sync)"})
+    amp: str | None = field(default=None, metadata={
+        "choices": AMP_CHOICES,
+        "help": "mixed precision: auto (bfloat16 where supported, else float16 with a "
+                "scaler), bfloat16 or float16"})
     augment: bool = True
     evaluate_every_epoch: bool = True
     progress: bool = True

@@ -6,6 +6,12 @@ counts its padded duplicates. Here every metric is summed across ranks before it
 reported (every rank returns the same global numbers), and :func:`evaluate` shards the
 dataset without padding so each sample counts exactly once.
 
+The loops do not know what a batch holds: a loss function turns one batch into a
+:class:`BatchLoss` (the mean loss, over how many items, how many predicted right).
+:func:`classification_loss`, the default, is the image classifier's; a language model
+passes its own, averaged over tokens, and keeps accumulation, ``no_sync``, mixed
+precision and the global metrics of the same loop.
+
 Checkpoints are written by rank 0 only, atomically (temporary file, flush, fsync,
 ``os.replace``), hold the unwrapped model (no ``module.`` prefix), the optimizer, the
 epoch and the random number generator states, and load with ``weights_only=True``.
@@ -15,9 +21,11 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,31 +43,97 @@ CHECKPOINT_FORMAT = 1
 
 @dataclass(frozen=True)
 class Metrics:
-    """Loss and accuracy over every sample seen by every rank."""
+    """Mean loss and accuracy over every item (sample, token) seen by every rank."""
 
     loss: float
     accuracy: float
-    samples: int
+    items: int
+    unit: str = "samples"
+
+    @property
+    def samples(self) -> int:
+        """The item count under the name image classification gives it."""
+        return self.items
 
     def __str__(self) -> str:
-        return f"loss {self.loss:.4f}, accuracy {self.accuracy:.2%} over {self.samples} samples"
+        return (f"loss {self.loss:.4f}, accuracy {self.accuracy:.2%} over {self.items} "
+                f"{self.unit}")
 
 
-def _global_metrics(loss_sum: torch.Tensor, correct: torch.Tensor, count: torch.Tensor) -> Metrics:
-    totals = torch.stack([loss_sum.double(), correct.double(), count.double()])
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(totals)  # on the device the sums live on: NCCL on GPUs
-    loss_sum, correct, count = totals.tolist()
-    if count == 0:
-        raise ValueError("no samples were seen: is the loader or the dataset empty?")
-    return Metrics(loss_sum / count, correct / count, int(count))
+@dataclass(frozen=True)
+class BatchLoss:
+    """What one batch cost: the loop backpropagates ``loss`` and adds the rest up.
+
+    Attributes:
+        loss: the mean over the batch's items, a scalar tensor; backward runs from it.
+        items: how many items that mean is over (an int, or an integer tensor on the
+            device, which spares a host sync when it is counted there, e.g. the tokens
+            a padding mask keeps). The epoch's loss weighs each batch by it.
+        correct: how many of the items were predicted right (an integer tensor or int).
+        unit: what an item is, for printing: "samples", "tokens".
+    """
+
+    loss: torch.Tensor
+    items: int | torch.Tensor
+    correct: int | torch.Tensor
+    unit: str = "samples"
 
 
-def _zero_sums(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Loss sum, correct count and sample count, as zeros on ``device``."""
-    return (torch.zeros((), dtype=torch.float64, device=device),
-            torch.zeros((), dtype=torch.int64, device=device),
-            torch.zeros((), dtype=torch.int64, device=device))
+#: ``loss_fn(model, batch, device)``: moves ``batch`` (what the loader yields) to
+#: ``device``, runs ``model`` and returns the :class:`BatchLoss`.
+LossFn = Callable[[nn.Module, Any, torch.device], BatchLoss]
+
+
+def classification_loss(model: nn.Module, batch, device: torch.device,
+                        channels_last: bool = False) -> BatchLoss:
+    """Cross-entropy of an image classifier on an ``(images, labels)`` batch.
+
+    Args:
+        model: maps images to class scores.
+        batch: ``(images, labels)``; one sample per label.
+        device: where the batch goes.
+        channels_last: move the images to the ``channels_last`` memory layout (the model
+            should be converted too: ``model.to(memory_format=torch.channels_last)``).
+            Pass it with ``functools.partial(classification_loss, channels_last=True)``.
+    """
+    images, labels = batch
+    images = images.to(device, non_blocking=True,
+                       memory_format=torch.channels_last if channels_last
+                       else torch.preserve_format)
+    labels = labels.to(device, non_blocking=True)
+    logits = model(images)
+    return BatchLoss(F.cross_entropy(logits, labels), len(labels),
+                     (logits.detach().argmax(1) == labels).sum())
+
+
+class _Totals:
+    """A loop's sums over its batches, and their means over every rank's items.
+
+    The sums stay on the device: reading them on the host every batch (``.item()``,
+    ``.cpu()``) would make the CPU wait for the GPU at every batch.
+    """
+
+    def __init__(self, device: torch.device):
+        self.loss = torch.zeros((), dtype=torch.float64, device=device)
+        self.correct = torch.zeros((), dtype=torch.int64, device=device)
+        self.items = torch.zeros((), dtype=torch.int64, device=device)
+        self.unit = "samples"
+
+    def add(self, cost: BatchLoss) -> None:
+        self.loss += cost.loss.detach().double() * cost.items
+        self.correct += cost.correct
+        self.items += cost.items
+        self.unit = cost.unit
+
+    def global_metrics(self) -> Metrics:
+        """The means over all ranks (a collective: every rank calls it)."""
+        totals = torch.stack([self.loss, self.correct.double(), self.items.double()])
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(totals)  # on the device the sums live on: NCCL on GPUs
+        loss_sum, correct, count = totals.tolist()
+        if count == 0:
+            raise ValueError("no samples were seen: is the loader or the dataset empty?")
+        return Metrics(loss_sum / count, correct / count, int(count), self.unit)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -73,12 +147,12 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
                     progress: bool = True, accumulate: int = 1,
                     amp_dtype: torch.dtype | None = None,
                     scaler: torch.amp.GradScaler | None = None,
-                    channels_last: bool = False, scheduler=None) -> Metrics:
-    """One pass over ``loader``: forward, cross-entropy, backward, step.
+                    scheduler=None, loss_fn: LossFn = classification_loss) -> Metrics:
+    """One pass over ``loader``: forward and loss (``loss_fn``), backward, step.
 
     Args:
         model: the (possibly DDP-wrapped) model, already on ``device``.
-        loader: yields ``(images, labels)``. With a ``DistributedSampler``, call
+        loader: yields the batches ``loss_fn`` takes. With a ``DistributedSampler``, call
             ``sampler.set_epoch(epoch)`` before this, or every epoch repeats one order.
         optimizer: steps once per ``accumulate`` batches.
         device: where batches go; default this rank's device.
@@ -87,46 +161,41 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
         accumulate: batches whose gradients are summed before each optimizer step. Under
             DDP all but the last batch of a group run inside ``model.no_sync()``, so the
             gradients are averaged across ranks once per step, not once per batch. Each
-            loss is divided by the group's size: the step sees the mean over the group.
+            loss is divided by the group's size: the step sees the mean over the group
+            (of the batches' means: where batches hold different numbers of items, as
+            padded token batches do, not quite the mean over the group's items).
             A last group shorter than ``accumulate`` is divided by its own size.
-        amp_dtype: run forward and loss under ``torch.autocast`` in this dtype
-            (``torch.bfloat16`` on CPUs and recent GPUs, ``torch.float16`` on GPUs with
-            a ``scaler``); None trains in float32.
+        amp_dtype: run ``loss_fn`` (forward and loss) under ``torch.autocast`` in this
+            dtype (``torch.bfloat16`` on CPUs and recent GPUs, ``torch.float16`` on GPUs
+            with a ``scaler``); None trains in float32.
         scaler: a ``torch.amp.GradScaler`` for float16 training (scales the loss so small
             gradients do not underflow, skips steps whose gradients overflowed).
-        channels_last: move image batches to the ``channels_last`` memory layout (the
-            model should be converted too: ``model.to(memory_format=torch.channels_last)``).
         scheduler: a learning-rate scheduler, stepped after every optimizer step.
+        loss_fn: what one batch costs (see :data:`LossFn`); default an image
+            classifier's cross-entropy on ``(images, labels)`` batches.
 
     Returns:
-        The epoch's mean loss and accuracy over all ranks' samples.
+        The epoch's mean loss and accuracy over all ranks' items.
     """
     if not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(f"accumulate must be a whole number >= 1, got {accumulate!r}")
     device = torch.device(device) if device is not None else rank_device()
     model.train()
-    # The sums stay on the device: reading them on the host every step (`.item()`,
-    # `.cpu()`) would make the CPU wait for the GPU at every batch.
-    loss_sum, correct, count = _zero_sums(device)
+    totals = _Totals(device)
     batches = len(loader) if accumulate > 1 else None  # a loader without len: accumulate=1
     can_skip_sync = isinstance(model, nn.parallel.DistributedDataParallel)
     bar = progress_bar(loader, desc=f"epoch {epoch}", unit="batch", leave=False,
                        disable=not (progress and is_main()))
     optimizer.zero_grad(set_to_none=True)
-    for step, (images, labels) in enumerate(bar):
-        images = images.to(device, non_blocking=True,
-                           memory_format=torch.channels_last if channels_last
-                           else torch.preserve_format)
-        labels = labels.to(device, non_blocking=True)
+    for step, batch in enumerate(bar):
         group_start = step - step % accumulate
         group_size = 1 if batches is None else min(accumulate, batches - group_start)
         steps_now = step == group_start + group_size - 1
         syncing = nullcontext() if steps_now or not can_skip_sync else model.no_sync()
         with syncing:
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                logits = model(images)
-                loss = F.cross_entropy(logits, labels)
-            share = loss / group_size if group_size > 1 else loss
+                cost = loss_fn(model, batch, device)
+            share = cost.loss / group_size if group_size > 1 else cost.loss
             (scaler.scale(share) if scaler is not None else share).backward()
         if steps_now:
             if scaler is not None:
@@ -137,33 +206,36 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
             optimizer.zero_grad(set_to_none=True)
             if scheduler is not None:
                 scheduler.step()
-        loss_sum += loss.detach().double() * len(labels)
-        correct += (logits.detach().argmax(1) == labels).sum()
-        count += len(labels)
+        totals.add(cost)
     bar.close()
-    return _global_metrics(loss_sum, correct, count)
+    return totals.global_metrics()
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, dataset, batch_size: int = 256,
-             device: torch.device | str | None = None, num_workers: int = 0) -> Metrics:
+             device: torch.device | str | None = None, num_workers: int = 0,
+             loss_fn: LossFn = classification_loss) -> Metrics:
     """Loss and accuracy over ``dataset``, each sample counted exactly once across ranks.
 
     Each rank evaluates ``dataset[rank::world_size]`` (no padding, so shards may differ
     by one sample) and the sums are added up across ranks.
+
+    Args:
+        model: the model (unwrapped: evaluation needs no gradient synchronisation).
+        dataset: indexable; its batches are what ``loss_fn`` takes.
+        batch_size: samples per batch on each rank.
+        device: where batches go; default this rank's device.
+        num_workers: DataLoader workers per rank.
+        loss_fn: what one batch costs, as for :func:`train_one_epoch`.
     """
     device = torch.device(device) if device is not None else rank_device()
     shard = Subset(dataset, range(rank(), len(dataset), world_size()))
     loader = DataLoader(shard, batch_size=batch_size, num_workers=num_workers)
     model.eval()
-    loss_sum, correct, count = _zero_sums(device)
-    for images, labels in loader:
-        images, labels = images.to(device), labels.to(device)
-        logits = model(images)
-        loss_sum += F.cross_entropy(logits, labels, reduction="sum").double()
-        correct += (logits.argmax(1) == labels).sum()
-        count += len(labels)
-    return _global_metrics(loss_sum, correct, count)
+    totals = _Totals(device)
+    for batch in loader:
+        totals.add(loss_fn(model, batch, device))
+    return totals.global_metrics()
 
 
 # ---------------------------------------------------------------------- checkpoints

@@ -20,43 +20,28 @@ import json
 from pathlib import Path
 
 import mgpu_helpers as mh
+from mgpu_helpers.cli import add_options, from_options
 from mgpu_helpers.cluster import cluster_environment
-from mgpu_helpers.precision import AMP_CHOICES
-from mgpu_helpers.recipe import REFERENCE_BATCH, DigitsRun, train_digits
+from mgpu_helpers.recipe import DigitsRun, train_digits
+
+#: The fields of DigitsRun that are options, each with the chapter's default and the help
+#: text beside the field. The others (stop_after, augment, evaluate_every_epoch, progress,
+#: verbose) serve the notebook.
+OPTIONS = ("epochs", "global_batch", "lr", "seed", "checkpoint", "limit", "workers",
+           "accumulate", "amp")
 
 
 def parse_args(argv=None) -> tuple[DigitsRun, argparse.Namespace]:
-    defaults = DigitsRun()  # the chapter's settings
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=defaults.epochs)
-    parser.add_argument("--global-batch", type=int, default=defaults.global_batch,
-                        help="samples per optimizer step over all ranks (split between them)")
-    parser.add_argument("--lr", type=float, default=defaults.lr,
-                        help=f"Adam's peak learning rate for a global batch of {REFERENCE_BATCH} "
-                             "(scaled by the square-root rule for other global batches)")
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--checkpoint", type=Path, default=Path("runs/train_ddp.pt"))
-    parser.add_argument("--limit", type=int, default=None,
-                        help="train on the first N training images only (quick runs)")
-    parser.add_argument("--workers", type=int, default=defaults.workers,
-                        help="DataLoader workers per rank")
-    parser.add_argument("--accumulate", type=int, default=1,
-                        help="batches per optimizer step (gradient accumulation, no_sync)")
-    parser.add_argument("--amp", choices=AMP_CHOICES, default=None,
-                        help="mixed precision: auto (bfloat16 where supported, else float16 "
-                             "with a scaler), bfloat16 or float16")
+    # The one default of the script's own: it always checkpoints, so that a restarted
+    # run resumes (the chapter's runs checkpoint only where asked to).
+    add_options(parser, DigitsRun, OPTIONS, defaults={"checkpoint": Path("runs/train_ddp.pt")})
     parser.add_argument("--nprocs", type=int, default=None,
                         help="ranks to launch when not under torchrun/SLURM (default: GPUs)")
     parser.add_argument("--result", type=Path, default=None,
                         help="write the history and test metrics here as JSON (rank 0)")
     args = parser.parse_args(argv)
-    try:
-        run = DigitsRun(epochs=args.epochs, global_batch=args.global_batch, lr=args.lr,
-                        seed=args.seed, checkpoint=args.checkpoint, limit=args.limit,
-                        workers=args.workers, accumulate=args.accumulate, amp=args.amp)
-    except ValueError as exc:
-        parser.error(str(exc).replace("_", "-"))
-    return run, args
+    return from_options(parser, DigitsRun, args, OPTIONS), args
 
 
 def main(argv=None) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ from ..precision import AMP_CHOICES, amp_dtype
 from ..ranks import device as rank_device
 from ..ranks import rank, world_size
 from ..recipe import AUGMENT, spread_subset
-from ..train import train_one_epoch
+from ..train import classification_loss, train_one_epoch
 
 
 def _keep_local_gradients(state, bucket):
@@ -112,7 +113,8 @@ def timed_epoch(options: TrainingOptions, per_rank_samples: int, batch_size: int
                    "persistent_workers": options.workers > 0}
     low_precision = amp_dtype(options.amp, device)
     epoch_args = {"progress": False, "accumulate": options.accumulate,
-                  "amp_dtype": low_precision, "channels_last": options.channels_last,
+                  "amp_dtype": low_precision,
+                  "loss_fn": partial(classification_loss, channels_last=options.channels_last),
                   "scaler": (torch.amp.GradScaler(device.type)
                              if low_precision == torch.float16 else None)}
     warmup = Subset(dataset, range(rank() * warmup_batches * batch_size,

@@ -1,4 +1,5 @@
-"""Models the chapters train."""
+"""The seeds' CNN, the model of chapters 03 to 09, and its nine steps as an
+``nn.Sequential`` for pipeline stages."""
 
 from __future__ import annotations
 
