@@ -1,7 +1,9 @@
-"""The package's layers: the core never imports the labs or the authoring tools, and the
-launcher's parts stay small enough to read in one sitting."""
+"""The package's layers: the core never imports the labs or the authoring tools, no
+module imports itself back through others, private PyTorch and Python names are reached
+from one module only, and the launcher's parts stay small enough to read in one sitting."""
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
@@ -71,7 +73,7 @@ def test_core_modules_import_neither_labs_nor_tools(path):
 
 
 def test_labs_and_exercises_do_not_import_tools():
-    for path in [*(PACKAGE / "labs").glob("*.py"), *(PACKAGE / "exercises").glob("*.py")]:
+    for path in [*(PACKAGE / "labs").rglob("*.py"), *(PACKAGE / "exercises").rglob("*.py")]:
         found = imported_modules(path.read_text(), module_name(path),
                                  path.name == "__init__.py")
         assert not [name for name in found if name.split(".")[0] in TOOLS], path
@@ -94,3 +96,155 @@ def test_every_launcher_part_is_short():
                for path in (PACKAGE / "launcher").glob("*.py")}
     assert len(lengths) >= 5
     assert max(lengths.values()) <= LAUNCHER_PART_MAX_LINES, lengths
+
+
+# ------------------------------------------------------------------- import cycles
+
+
+def package_modules() -> dict[str, Path]:
+    return {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Which package modules each package module imports, anywhere in it (also inside
+    functions and under TYPE_CHECKING). Importing ``x.y`` runs package ``x`` first, so
+    that is an edge to ``x`` too, except where ``x`` encloses the importer: a module's
+    own packages are always imported before it."""
+    modules = package_modules()
+    graph = {}
+    for name, path in modules.items():
+        found = imported_modules(path.read_text(), name, path.name == "__init__.py")
+        graph[name] = {target for target in found if target in modules and target != name
+                       and not name.startswith(target + ".")}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a path that starts and ends at the same module, or None."""
+    state: dict[str, str] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == "open":
+                return path[path.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        state[node] = "done"
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle_and_only_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_module_of_the_package_imports_itself_back_through_others():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, ("import cycle: " + " -> ".join(cycle) + ". Imports run one way: "
+                           "move what both need into a module of its own that both import")
+
+
+# ---------------------------------------------------------------- private names
+
+PRIVATE_HOME = PACKAGE / "private_apis.py"
+#: Private PyTorch and Python names, reached only through mgpu_helpers/private_apis.py.
+PRIVATE_NAMES = {"_device_count_nvml", "_is_in_bad_fork", "_dump_fr_trace", "_dump_nccl_trace",
+                 "_get_ddp_logging_data", "_EventType", "_exit_function", "kineto_results",
+                 "experimental_event_tree"}
+PRIVATE_ATTRIBUTES_OF = {"threading": {"_shutdown"}}
+
+
+def private_uses(source: str) -> set[str]:
+    """The private names ``source`` reaches: as an attribute, an imported name, or a
+    string (``getattr(torch.cuda, "_is_in_bad_fork")``)."""
+    used = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            if node.attr in PRIVATE_NAMES:
+                used.add(node.attr)
+            owner = node.value.id if isinstance(node.value, ast.Name) else None
+            if node.attr in PRIVATE_ATTRIBUTES_OF.get(owner, ()):
+                used.add(f"{owner}.{node.attr}")
+        elif isinstance(node, ast.ImportFrom):
+            used.update(alias.name for alias in node.names if alias.name in PRIVATE_NAMES)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            used.update(PRIVATE_NAMES.intersection(node.value.split(".")))
+    return used
+
+
+def notebook_code(path: Path) -> str:
+    cells = json.loads(path.read_text())["cells"]
+    return "\n".join("".join(cell["source"]) for cell in cells
+                     if cell["cell_type"] == "code"
+                     and not "".join(cell["source"]).lstrip().startswith(("%", "!")))
+
+
+def sources_outside_the_private_home():
+    for folder in ("mgpu_helpers", "scripts", "benchmarks", "tools", "solutions"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path != PRIVATE_HOME:
+                yield path, path.read_text()
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        yield path, notebook_code(path)
+
+
+def test_the_private_name_check_sees_attributes_imports_and_strings():
+    assert private_uses("torch.cuda._is_in_bad_fork()") == {"_is_in_bad_fork"}
+    assert private_uses("from torch._C._profiler import _EventType") == {"_EventType"}
+    assert private_uses("getattr(m, '_get_ddp_logging_data')") == {"_get_ddp_logging_data"}
+    assert private_uses("find(torch, '_C._profiler._EventType')") == {"_EventType"}
+    assert private_uses("threading._shutdown()") == {"threading._shutdown"}
+    assert private_uses("pool._shutdown = True") == set()  # not threading's
+    assert private_uses(PRIVATE_HOME.read_text()) >= PRIVATE_NAMES - {"_dump_nccl_trace"}
+
+
+def test_private_torch_and_python_names_are_reached_only_from_private_apis():
+    users = {str(path.relative_to(ROOT)): sorted(used)
+             for path, source in sources_outside_the_private_home()
+             if (used := private_uses(source))}
+    assert not users, (f"{users} reach private PyTorch or Python names directly: call the "
+                       "guarded function of mgpu_helpers/private_apis.py instead (add one "
+                       "there, saying why no public route exists)")
+
+
+# ------------------------------------------------------- names crossing modules
+
+
+def underscore_imports(source: str, module: str, is_package: bool = False) -> list[str]:
+    """The underscore names ``source`` imports from the package's other modules."""
+    package = module if is_package else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            origin = node.module or ""
+            if node.level:
+                base = package.split(".")
+                origin = ".".join(base[:len(base) - node.level + 1] + ([origin] if origin else []))
+            if origin.split(".")[0] == "mgpu_helpers":
+                found += [f"{origin}.{alias.name}" for alias in node.names
+                          if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return found
+
+
+def test_the_underscore_check_sees_relative_imports():
+    found = underscore_imports("from .checks import _check_port, resolve_backend",
+                               "mgpu_helpers.launcher.api")
+    assert found == ["mgpu_helpers.launcher.checks._check_port"]
+    assert underscore_imports("from torch.cuda import _lazy_init", "mgpu_helpers.x") == []
+
+
+def test_names_imported_across_modules_are_public():
+    crossing = {name: found for name, path in package_modules().items()
+                if (found := underscore_imports(path.read_text(), name,
+                                                path.name == "__init__.py"))}
+    assert not crossing, (f"{crossing}: a name another module imports is part of the "
+                          "package's internal API; give it a name without the underscore")

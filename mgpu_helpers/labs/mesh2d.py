@@ -1,11 +1,12 @@
 """Chapter 07's 2-D device mesh: FSDP across one dimension, tensor parallelism across
 the other, on 4 ranks.
 
-The ranks form a 2 x 2 grid. Along ``"tp"`` (the ranks of one row), a feed-forward
-block's two linear layers are split column- and row-wise, as in chapter 07's tensor
-parallelism; along ``"dp"`` (the ranks of one column), the resulting shards are sharded
-again by FSDP2, and each row trains on its own half of the batch. On a real cluster the
-``"tp"`` dimension lies inside a node (NVLink) and ``"dp"`` across nodes.
+The ranks form a 2 x 2 grid, ``ParallelDims(fsdp=2, tp=2)``. Along ``"tp"`` (the ranks
+of one row), a feed-forward block's two linear layers are split column- and row-wise, as
+in chapter 07's tensor parallelism; along ``"fsdp"`` (the ranks of one column), the
+resulting shards are sharded again by FSDP2, and each row trains on its own half of the
+batch. On a real cluster the ``"tp"`` dimension lies inside a node (NVLink) and
+``"fsdp"`` across nodes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from ..topology import ParallelDims
 
 WIDTH = 16
 
@@ -32,7 +37,7 @@ def _global_batch(step: int, size: int = 8) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def fsdp_and_tp(steps: int = 2, lr: float = 0.1) -> dict:
-    """Inside one of 4 ranks: the block trained ``steps`` SGD steps on a (dp=2, tp=2)
+    """Inside one of 4 ranks: the block trained ``steps`` SGD steps on a (fsdp=2, tp=2)
     mesh, and the unsplit block trained on the whole batch in this process. Returns this
     rank's mesh coordinates, each parameter's placements and local shape, and the
     largest difference between the full 2-D-sharded weights and the unsplit ones."""
@@ -44,21 +49,13 @@ def fsdp_and_tp(steps: int = 2, lr: float = 0.1) -> dict:
 
 
 def _train_and_compare(steps: int, lr: float) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = ParallelDims(fsdp=2, tp=2).build_mesh("cpu")
     model, reference = _block(), _block()
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    fully_shard(model, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["fsdp"])
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
-    row = mesh["dp"].get_local_rank()
+    row = mesh["fsdp"].get_local_rank()
     for step in range(steps):
         inputs, targets = _global_batch(step)
         mine = slice(row * len(inputs) // 2, (row + 1) * len(inputs) // 2)
