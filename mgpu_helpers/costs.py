@@ -1,0 +1,93 @@
+"""What training a :class:`~mgpu_helpers.models.gpt.GPT` costs, predicted from its sizes.
+
+Chapter 10 checks each formula against a measurement that does not use it (PyTorch's
+FLOP counter, the bytes autograd saves, the bytes the optimizer allocates); chapter 14's
+planner predicts configurations with them. Notation: h the width (``dim``), L the
+blocks, a the heads, r the MLP ratio, V the vocabulary, b sequences of s tokens.
+
+* Parameters: an embedding row per token and per position, per block ``(4 + 2r)·h²``
+  matrices (``q, k, v, o, up, down``) and two layer norms (``2h`` each), a final norm,
+  the head ``V·h``.
+* FLOPs of one training step (forward and backward) per token:
+  ``6·N + 12·L·s·h``, where N counts the parameters of matrix products (every matrix
+  but the embeddings, which are lookups): 2 FLOPs per weight per token forward, 4
+  backward. The second term is attention's two products (``q·kᵀ`` and the weights times
+  ``v``), counted over the **full** s x s square as PyTorch's ``FlopCounterMode`` counts
+  them; a causal kernel such as flash attention skips the masked half, so the work a GPU
+  really does is about ``6·N + 6·L·s·h``.
+* Activations kept for the backward pass, per block: ``(8 + 2r)·b·s·h`` elements, eight
+  tensors the size of the residual stream (the block's input, the two normalised
+  inputs, q, k, v, the attention's output, the residual between attention and MLP) and
+  two r times wider (the MLP's hidden layer before and after GELU): ``16·b·s·h`` for
+  r = 4. Plus, per token, the layer norms' means and reciprocal standard deviations (4
+  elements) and attention's log-sum-exp (``a`` float32 numbers): the scaled-dot-product
+  kernels that keep no s x s matrix (flash and memory-efficient attention; PyTorch's CPU
+  default) keep only those. Korthikanti et al. (2022) count ``34·s·b·h + 5·a·s²·b`` bytes
+  at 2 bytes an element for r = 4, with dropout (its two sbh masks: 2 of the 34) and an
+  attention that keeps its s x s scores and probabilities (the ``a·s²`` term): without
+  dropout and with such kernels theirs is ``32·s·b·h`` bytes, 16 elements, this one.
+"""
+
+from __future__ import annotations
+
+from .models.gpt import GPTConfig
+
+FLOAT32_BYTES = 4
+
+
+def parameter_counts(config: GPTConfig) -> dict[str, int]:
+    """Parameters per component of the model, as ``GPT(config)`` holds them."""
+    h, r, layers = config.dim, config.mlp_ratio, config.layers
+    return {
+        "token embedding": config.vocab_size * h,
+        "position embedding": config.context * h,
+        "attention (q, k, v, o)": layers * 4 * h * h,
+        "MLP (up, down)": layers * 2 * r * h * h,
+        "layer norms": layers * 2 * 2 * h + 2 * h,
+        "head": config.vocab_size * h,
+    }
+
+
+def matmul_parameters(config: GPTConfig) -> int:
+    """N of the 6N rule: the parameters that take part in matrix products."""
+    counts = parameter_counts(config)
+    return counts["attention (q, k, v, o)"] + counts["MLP (up, down)"] + counts["head"]
+
+
+def training_flops_per_token(config: GPTConfig, length: int) -> int:
+    """FLOPs of a forward and backward pass per token of a ``length``-token sequence,
+    attention counted over the full square (``FlopCounterMode``'s convention)."""
+    return 6 * matmul_parameters(config) + 12 * config.layers * length * config.dim
+
+
+def activation_bytes_per_block(config: GPTConfig, batch: int, length: int,
+                               element_bytes: int = FLOAT32_BYTES) -> int:
+    """Bytes one block keeps for its backward pass, with an attention kernel that keeps
+    no s x s matrix; ``element_bytes`` 4 in float32, 2 in bfloat16."""
+    tokens = batch * length
+    stream = (8 + 2 * config.mlp_ratio) * config.dim
+    return tokens * (stream * element_bytes + 4 * element_bytes + config.heads * FLOAT32_BYTES)
+
+
+def activation_bytes(config: GPTConfig, batch: int, length: int,
+                     element_bytes: int = FLOAT32_BYTES) -> int:
+    """Bytes the whole model keeps for its backward pass (the loss's own excluded): the
+    blocks, the final layer norm (its input, output and statistics) and the token ids
+    the two embeddings keep (int64; the position ids once per sequence position)."""
+    tokens = batch * length
+    final_norm = tokens * (2 * config.dim * element_bytes + 2 * element_bytes)
+    ids = 8 * (tokens + length)
+    return (config.layers * activation_bytes_per_block(config, batch, length, element_bytes)
+            + final_norm + ids)
+
+
+def training_state_bytes(parameters: int, shards: int = 1, weight_bytes: int = 4,
+                         gradient_bytes: int = 4, optimizer_bytes: int = 8) -> int:
+    """Bytes a rank holds for ``parameters`` after an AdamW step, when weights, gradients
+    and the optimizer's two moments are split over ``shards`` ranks (1 for DDP, the
+    shard group for FSDP2 and HSDP). The defaults are float32 training, 16 bytes a
+    parameter; mixed precision as the ZeRO paper counts it is 2 + 2 + 12, the same 16."""
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    per_parameter = weight_bytes + gradient_bytes + optimizer_bytes
+    return -(-parameters // shards) * per_parameter

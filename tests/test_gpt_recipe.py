@@ -1,0 +1,112 @@
+"""Chapter 10's FSDP2 recipe (mgpu_helpers.gpt_recipe, scripts/train_gpt.py): the same
+losses as one process, a resume equal bit for bit to the uninterrupted run, a gradient
+scaler that skips a step on every rank together, and the script under torchrun."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from mgpu_helpers import launch, lm
+from mgpu_helpers.gpt_recipe import GPTRun, lr_factor, shard_model, train_gpt
+from mgpu_helpers.ranks import rank, world_size
+from mgpu_helpers.topology import ParallelDims
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = str(ROOT / "scripts" / "train_gpt.py")
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+QUICK = {"steps": 6, "global_batch": 16, "dim": 32, "heads": 2}
+
+pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.slow]
+
+
+@pytest.mark.parametrize("nprocs, settings", [
+    (2, {}), (2, {"accumulate": 2, "checkpointing": "block"}), (4, {"replicate": 2})],
+    ids=["fsdp2", "accumulate-and-recompute", "hsdp"])
+def test_fsdp2_and_hsdp_follow_the_one_process_run(nprocs, settings):
+    run = GPTRun(**QUICK, **settings)
+    # CPU check: gloo ranks, float32, the same arithmetic as the reference on any machine
+    result = launch(train_gpt, run, nprocs=nprocs, backend="gloo")
+    _, expected = lm.train_reference(
+        run.task, run.steps, run.global_batch, lr=run.lr, seed=run.seed,
+        schedule=lambda step: lr_factor(step, run.steps, run.warmup), dim=run.dim,
+        heads=run.heads)
+    # float32 sums in another order (per rank, then across ranks): a few ulps apart
+    assert result["losses"] == pytest.approx(expected, rel=1e-5)
+    assert result["mesh"] == ({"dp": 2, "fsdp": 2} if "replicate" in settings
+                              else {"fsdp": nprocs})
+
+
+def test_a_resumed_run_ends_bit_for_bit_where_the_uninterrupted_one_does(tmp_path):
+    settings = {**QUICK, "steps": 10, "save_every": 4, "accumulate": 2}
+    # CPU checks: gloo ranks, so that "bit for bit" means the same on every machine
+    whole = launch(train_gpt, GPTRun(**settings), nprocs=2, backend="gloo", return_all=True)
+    first = launch(train_gpt, GPTRun(**settings, checkpoint=tmp_path, stop_after=7),
+                   nprocs=2, backend="gloo", return_all=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000004"]
+    rest = launch(train_gpt, GPTRun(**settings, checkpoint=tmp_path), nprocs=2,
+                  backend="gloo", return_all=True)
+    assert first[0]["losses"] == whole[0]["losses"][:7]
+    assert rest[0]["resumed_at"] == 4 and rest[0]["losses"] == whole[0]["losses"][4:]
+    assert [r["state_digest"] for r in rest] == [r["state_digest"] for r in whole]
+    assert rest[0]["lr_at_end"] == whole[0]["lr_at_end"] == 0.0
+    # the newest two complete checkpoints are kept, older ones deleted
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000008", "step-000010"]
+
+
+def skipped_together(poisoned_rank: int) -> dict:
+    """One float16 step in which only ``poisoned_rank``'s gradient shard holds an inf."""
+    run = GPTRun(**QUICK)
+    model = lm.model_for(run.task, dim=run.dim, heads=run.heads)
+    shard_model(model, ParallelDims(fsdp=world_size()).build_mesh("cpu"), torch.float16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    inputs, targets = lm.rank_rows(lm.step_batch(run.task, 0, 16), rank(), world_size())
+    scaler.scale(lm.lm_loss(model(inputs), targets)).backward()
+    if rank() == poisoned_rank:
+        next(iter(model.parameters())).grad.to_local().view(-1)[0] = float("inf")
+    before = [p.to_local().clone() for p in model.parameters()]
+    scaler.step(optimizer)
+    scaler.update()
+    unchanged = all(torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters(),
+                                                                 strict=True))
+    return {"unchanged": unchanged, "scale": scaler.get_scale(),
+            "sharded": all(isinstance(p, DTensor) for p in model.parameters())}
+
+
+def test_the_gradient_scaler_skips_a_step_on_every_rank_when_one_shard_overflows():
+    # float16 weights need a GradScaler; with sharded gradients an overflow may sit in
+    # one rank's shard only, and every rank must still skip the same step
+    outcome = launch(skipped_together, 1, nprocs=2, backend="gloo", return_all=True)
+    assert all(r["sharded"] for r in outcome)
+    assert [r["unchanged"] for r in outcome] == [True, True]
+    assert [r["scale"] for r in outcome] == [512.0, 512.0]
+
+
+def run_script(command, timeout=300):
+    # one intra-op thread, as launch() gives its ranks: bitwise equality needs the same
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout + done.stderr
+
+
+def test_the_script_under_torchrun_resumes_and_matches_a_launched_run(tmp_path):
+    options = ["--steps", "8", "--global-batch", "16", "--dim", "32", "--heads", "2",
+               "--save-every", "4"]
+    run_script([sys.executable, SCRIPT, "--nprocs", "2", *options,
+                "--checkpoint", str(tmp_path / "a"), "--result", str(tmp_path / "a.json")])
+    torchrun = [TORCHRUN, "--standalone", "--nproc-per-node", "2", SCRIPT, *options,
+                "--checkpoint", str(tmp_path / "b"), "--result", str(tmp_path / "b.json")]
+    output = run_script([*torchrun, "--stop-after", "6"])
+    assert "saved" in output and "step-000004" in output
+    output = run_script(torchrun)
+    assert "resumed from" in output and "at step 4" in output
+    whole, resumed = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab")
+    assert resumed["resumed_at"] == 4 and resumed["losses"] == whole["losses"][4:]
+    assert resumed["state_digest"] == whole["state_digest"]
