@@ -92,7 +92,7 @@ browser: $(STAMP)
 # KERNELS (default, or avx2...).
 KERNELS ?= default
 NBVAL_GENERIC := $(wildcard notebooks/02_*.ipynb notebooks/03_*.ipynb notebooks/04_*.ipynb \
-  notebooks/05_*.ipynb notebooks/06_*.ipynb notebooks/07_*.ipynb)
+  notebooks/05_*.ipynb notebooks/06_*.ipynb notebooks/07_*.ipynb notebooks/10_*.ipynb)
 nbval: $(STAMP)
 	$(if $(filter-out $(NBVAL_GENERIC),$(NOTEBOOKS)),$(WITH_NB_ENV) $(BIN)/pytest $(NBVAL_FLAGS) \
 	  $(filter-out $(NBVAL_GENERIC),$(NOTEBOOKS)))

@@ -294,10 +294,18 @@ def format_run_time(seconds: float | None) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
+#: The parts of the workbook, by the number of their first chapter.
+PARTS = {"00": "Part I · Data and data parallelism",
+         "06": "Part II · Splitting the model",
+         "10": "Part III · Training a language model on many GPUs"}
+
+
 def chapter_map(chapters: list[Chapter]) -> str:
-    """The chapter map as a markdown table with relative links."""
+    """The chapter map as a markdown table with relative links, a row per part."""
     rows = ["| # | chapter | what you learn | run time | GPU path |", "|---|---|---|---|---|"]
     for chapter in chapters:
+        if chapter.number in PARTS:
+            rows.append(f"| | **{PARTS[chapter.number]}** | | | |")
         rows.append(f"| {chapter.number} | [{chapter.title}]({chapter.name}) | "
                     f"{chapter.summary} | {format_run_time(chapter.run_time_s)} | "
                     f"{gpu_status(chapter)} |")
