@@ -11,10 +11,13 @@ blocks, a the heads, r the MLP ratio, V the vocabulary, b sequences of s tokens.
 * FLOPs of one training step (forward and backward) per token:
   ``6·N + 12·L·s·h``, where N counts the parameters of matrix products (every matrix
   but the embeddings, which are lookups): 2 FLOPs per weight per token forward, 4
-  backward. The second term is attention's two products (``q·kᵀ`` and the weights times
-  ``v``), counted over the **full** s x s square as PyTorch's ``FlopCounterMode`` counts
-  them; a causal kernel such as flash attention skips the masked half, so the work a GPU
-  really does is about ``6·N + 6·L·s·h``.
+  backward. The second term is attention's two products without weights (``q·kᵀ`` and
+  the probabilities times ``v``) forward and their four gradient products backward,
+  over the **full** s x s square: the convention MFU is quoted in (PaLM, appendix B) and
+  what ``FlopCounterMode`` counts for the MATH kernel. The fused kernels GPUs run
+  (flash, memory-efficient, cuDNN) recompute ``q·kᵀ`` in backward, and the counter
+  charges them ``14·L·s·h``; a causal kernel also skips the masked half, so the work it
+  really does is about ``6·N + 7·L·s·h``.
 * Activations kept for the backward pass, per block: ``(8 + 2r)·b·s·h`` elements, eight
   tensors the size of the residual stream (the block's input, the two normalised
   inputs, q, k, v, the attention's output, the residual between attention and MLP) and
@@ -22,10 +25,15 @@ blocks, a the heads, r the MLP ratio, V the vocabulary, b sequences of s tokens.
   r = 4. Plus, per token, the layer norms' means and reciprocal standard deviations (4
   elements) and attention's log-sum-exp (``a`` float32 numbers): the scaled-dot-product
   kernels that keep no s x s matrix (flash and memory-efficient attention; PyTorch's CPU
-  default) keep only those. Korthikanti et al. (2022) count ``34·s·b·h + 5·a·s²·b`` bytes
-  at 2 bytes an element for r = 4, with dropout (its two sbh masks: 2 of the 34) and an
-  attention that keeps its s x s scores and probabilities (the ``a·s²`` term): without
-  dropout and with such kernels theirs is ``32·s·b·h`` bytes, 16 elements, this one.
+  default) keep only those. Exact on CPUs, where the chapter measures it. On CUDA a few
+  bytes per token more: the layer norms' statistics stay float32 under bfloat16, the
+  memory-efficient kernel pads its log-sum-exp to a multiple of 32 tokens, and the
+  fused kernels keep a random seed and offset. Korthikanti et al. (2022) count
+  ``34·s·b·h + 5·a·s²·b`` bytes at 2 bytes an element for r = 4, with dropout: its two
+  s·b·h masks (1 byte an element) are 2 of the 34, and ``5·a·s²·b`` is attention's
+  s x s softmax output (2 bytes), dropout mask (1) and dropout output (2), kept by an
+  attention that materialises its scores. Without dropout and with a fused kernel theirs
+  is ``32·s·b·h`` bytes, 16 elements: this one.
 """
 
 from __future__ import annotations
@@ -63,7 +71,8 @@ def training_flops_per_token(config: GPTConfig, length: int) -> int:
 def activation_bytes_per_block(config: GPTConfig, batch: int, length: int,
                                element_bytes: int = FLOAT32_BYTES) -> int:
     """Bytes one block keeps for its backward pass, with an attention kernel that keeps
-    no s x s matrix; ``element_bytes`` 4 in float32, 2 in bfloat16."""
+    no s x s matrix; ``element_bytes`` 4 in float32, 2 in bfloat16. Exact on CPUs; on
+    CUDA a few bytes per token more (see the module's notes)."""
     tokens = batch * length
     stream = (8 + 2 * config.mlp_ratio) * config.dim
     return tokens * (stream * element_bytes + 4 * element_bytes + config.heads * FLOAT32_BYTES)

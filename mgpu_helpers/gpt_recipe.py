@@ -17,13 +17,17 @@
   every rank writes its own shards, through ``get_state_dict``/``set_state_dict``,
   written to a temporary folder and renamed once complete; a run started again resumes
   from the newest one and continues exactly as the uninterrupted run (the data of a step
-  is a function of the step; the learning-rate schedule and every rank's random state
-  are in the checkpoint).
+  is a function of the step, the model has no dropout, so nothing random is drawn after
+  the weights are made; the learning-rate schedule is in the checkpoint). It may resume
+  on another number of ranks: DCP reshards. The folder must be on a filesystem every
+  rank sees (DCP's file writer needs one), and ``run.json`` in it records the settings
+  a resumed run must share.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -45,6 +49,11 @@ from .topology import ParallelDims
 PRECISIONS = ("auto", "float32", "bfloat16", "float16")
 CHOICES = ("none", "block")
 KEEP_CHECKPOINTS = 2
+#: What a resumed run must share with the run that saved: the model, its data and the
+#: schedule. The ranks, the mesh, precision, recomputation and compilation may change.
+RESUME_MUST_MATCH = ("steps", "global_batch", "lr", "warmup", "seed", "dim", "layers",
+                     "heads", "pairs", "queries")
+RUN_FILE = "run.json"
 
 
 @dataclass
@@ -146,18 +155,61 @@ def latest_checkpoint(root: Path | None) -> Path | None:
     return done[-1] if done else None
 
 
-def save(root: Path, step: int, model, optimizer, scheduler) -> Path:
+def resume_settings(run: GPTRun) -> dict:
+    return {name: getattr(run, name) for name in RESUME_MUST_MATCH}
+
+
+def check_resumable(root: Path, run: GPTRun) -> None:
+    """Refuse to resume from ``root`` a run whose model, data or schedule differ from the
+    run that saved there (its ``run.json``): it would continue someone else's training."""
+    saved_file = root / RUN_FILE
+    if not saved_file.is_file():
+        raise ValueError(f"{root} holds checkpoints but no {RUN_FILE}: it was not written "
+                         "by train_gpt. Give another --checkpoint folder.")
+    saved = json.loads(saved_file.read_text())
+    differ = {name: (saved.get(name), value) for name, value in resume_settings(run).items()
+              if saved.get(name) != value}
+    if differ:
+        shown = ", ".join(f"{name} {was!r} there, {now!r} now"
+                          for name, (was, now) in differ.items())
+        raise ValueError(f"the checkpoints in {root} are of another run ({shown}). Run with "
+                         f"the same settings to resume it, or give another --checkpoint "
+                         f"folder (or delete {root}) to start afresh.")
+
+
+def newest_to_resume(run: GPTRun) -> Path | None:
+    """Rank 0 picks the checkpoint to resume (after :func:`check_resumable`) and every rank
+    gets its choice, or its refusal, so that no two ranks read different folders."""
+    choice = [None, None]
+    if rank() == 0:
+        try:
+            latest = latest_checkpoint(run.checkpoint)
+            if latest is not None:
+                check_resumable(run.checkpoint, run)
+                choice[0] = str(latest)
+        except ValueError as refused:
+            choice[1] = str(refused)
+    dist.broadcast_object_list(choice, src=0)
+    if choice[1] is not None:
+        raise ValueError(choice[1])
+    return None if choice[0] is None else Path(choice[0])
+
+
+def save(run: GPTRun, step: int, model, optimizer, scheduler) -> Path:
     """Every rank writes its shards; the folder appears, renamed, once all have. The
-    newest :data:`KEEP_CHECKPOINTS` complete folders are kept, older ones deleted."""
+    newest :data:`KEEP_CHECKPOINTS` complete folders are kept, older ones deleted (rank 0
+    renames and deletes: the folder is on a filesystem every rank sees)."""
+    root = run.checkpoint
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state,
-             "scheduler": scheduler.state_dict(), "step": step,
-             # each rank its own entry: a value shared by all would be written once
-             f"rng/rank{rank()}": torch.get_rng_state()}
+             "scheduler": scheduler.state_dict(), "step": step}
     final = _step_folder(root, step)
     temporary = final.with_name(final.name + ".tmp")
     if rank() == 0:
         shutil.rmtree(temporary, ignore_errors=True)  # left by a killed save
+        if not (root / RUN_FILE).is_file():
+            root.mkdir(parents=True, exist_ok=True)
+            (root / RUN_FILE).write_text(json.dumps(resume_settings(run), indent=1) + "\n")
     dist.barrier()
     dcp.save(state, checkpoint_id=temporary)
     dist.barrier()
@@ -172,16 +224,17 @@ def save(root: Path, step: int, model, optimizer, scheduler) -> Path:
 
 def load(folder: Path, model, optimizer, scheduler) -> int:
     """Restore what :func:`save` wrote into ``model`` and ``optimizer`` (sharded as they
-    are now) and ``scheduler``; returns the step to continue from."""
+    are now, on any number of ranks) and ``scheduler``; returns the step to continue
+    from. ``get_state_dict`` gives the structure to fill: on an optimizer that has not
+    stepped yet it first runs a step with zero gradients and a zero learning rate, which
+    allocates AdamW's moments and changes no weight."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state,
-             "scheduler": scheduler.state_dict(), "step": 0,
-             f"rng/rank{rank()}": torch.get_rng_state()}
+             "scheduler": scheduler.state_dict(), "step": 0}
     dcp.load(state, checkpoint_id=folder)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state[f"rng/rank{rank()}"])
     return state["step"]
 
 
@@ -227,7 +280,7 @@ def train_gpt(run: GPTRun) -> dict:
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
 
     start = 0
-    resumed = latest_checkpoint(run.checkpoint)
+    resumed = newest_to_resume(run) if run.checkpoint is not None else None
     if resumed is not None:
         start = load(resumed, model, optimizer, scheduler)
         if run.verbose:
@@ -260,7 +313,7 @@ def train_gpt(run: GPTRun) -> dict:
             first_step_seconds = time.perf_counter() - began
         if run.checkpoint is not None and ((step + 1) % run.save_every == 0
                                            or step + 1 == run.steps):
-            folder = save(run.checkpoint, step + 1, model, optimizer, scheduler)
+            folder = save(run, step + 1, model, optimizer, scheduler)
             if run.verbose:
                 print0(f"saved {folder}")
 

@@ -109,5 +109,5 @@ def exact_match(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -
     right = ((predicted == targets) | ~scored).all(1)
     totals = torch.stack([right.sum(), torch.tensor(len(right), device=right.device)]).double()
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(totals)  # a CPU tensor: gloo, or the gloo half of "auto" on GPUs
+        dist.all_reduce(totals)  # on the model's device: NCCL on GPUs, gloo on CPUs
     return (totals[0] / totals[1]).item()

@@ -9,8 +9,9 @@
 The training is chapter 10's `mgpu_helpers.gpt_recipe.train_gpt`: per-block `fully_shard`
 with a `MixedPrecisionPolicy`, optional activation checkpointing and `torch.compile` per
 block, gradient accumulation, and a distributed checkpoint every `--save-every` steps in
-`--checkpoint`, resumed when the script runs again (exactly: the weights, AdamW's state,
-the schedule and the data continue as in an uninterrupted run).
+`--checkpoint`, resumed when the script runs again with the same settings (exactly: the
+weights, AdamW's state, the schedule and the data continue as in an uninterrupted run;
+the number of ranks may change). Other settings are refused: give another --checkpoint.
 """
 
 from __future__ import annotations
@@ -49,8 +50,13 @@ def main(argv=None) -> None:
     result = mh.launch(train_gpt, run, nprocs=args.nprocs)
     cluster = cluster_environment()  # under torchrun every process returns here
     if cluster is None or cluster.rank == 0:
-        print(f"{len(result['losses'])} steps from step {result['resumed_at']}: loss "
-              f"{result['losses'][-1]:.4f}, held-out exact match {result['exact_match']:.0%}")
+        if result["losses"]:
+            trained = (f"{len(result['losses'])} steps from step {result['resumed_at']}: "
+                       f"loss {result['losses'][-1]:.4f}")
+        else:
+            trained = (f"nothing to train: the checkpoint is at step {result['resumed_at']} "
+                       f"of {run.steps} (raise --steps, or give another --checkpoint)")
+        print(f"{trained}, held-out exact match {result['exact_match']:.0%}")
         if args.result is not None:
             args.result.parent.mkdir(parents=True, exist_ok=True)
             args.result.write_text(json.dumps(result, indent=1) + "\n")

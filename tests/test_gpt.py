@@ -2,6 +2,8 @@
 measurement that does not use it (PyTorch's FLOP counter, the bytes autograd saves, the
 bytes AdamW allocates)."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +12,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mgpu_helpers import costs, lm
 from mgpu_helpers.data.recall import IGNORE, RecallDataset, RecallTask
-from mgpu_helpers.gpt_recipe import GPTRun, compute_dtype, lr_factor
+from mgpu_helpers.gpt_recipe import (
+    RUN_FILE,
+    GPTRun,
+    check_resumable,
+    compute_dtype,
+    lr_factor,
+    resume_settings,
+)
 from mgpu_helpers.memory import ActivationMeter
 from mgpu_helpers.models.gpt import GPT, GPTConfig
 
@@ -236,3 +245,13 @@ def test_the_run_settings_are_checked():
         GPTRun(replicate=0)
     assert compute_dtype("auto", torch.device("cpu")) == torch.float32
     assert compute_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+
+
+def test_a_checkpoint_folder_is_resumed_only_by_the_run_that_wrote_it(tmp_path):
+    (tmp_path / "step-000004").mkdir()
+    with pytest.raises(ValueError, match="no run.json: it was not written by train_gpt"):
+        check_resumable(tmp_path, GPTRun())
+    (tmp_path / RUN_FILE).write_text(json.dumps(resume_settings(GPTRun(steps=40))))
+    check_resumable(tmp_path, GPTRun(steps=40, replicate=2, precision="bfloat16"))
+    with pytest.raises(ValueError, match=r"\(steps 40 there, 300 now, seed 0 there, 1 now\)"):
+        check_resumable(tmp_path, GPTRun(seed=1))

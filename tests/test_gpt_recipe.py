@@ -1,6 +1,8 @@
 """Chapter 10's FSDP2 recipe (mgpu_helpers.gpt_recipe, scripts/train_gpt.py): the same
-losses as one process, a resume equal bit for bit to the uninterrupted run, a gradient
-scaler that skips a step on every rank together, and the script under torchrun."""
+losses as one process, a resume equal bit for bit to the uninterrupted run, on another
+number of ranks too, and refused for another run's settings, one gradient reduction per
+step under accumulation, a gradient scaler that skips a step on every rank together, and
+the script under torchrun."""
 
 import json
 import os
@@ -13,7 +15,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from mgpu_helpers import launch, lm
+from mgpu_helpers.flight_recorder import collectives_so_far
 from mgpu_helpers.gpt_recipe import GPTRun, lr_factor, shard_model, train_gpt
+from mgpu_helpers.launcher import LaunchError
 from mgpu_helpers.ranks import rank, world_size
 from mgpu_helpers.topology import ParallelDims
 
@@ -25,6 +29,13 @@ QUICK = {"steps": 6, "global_batch": 16, "dim": 32, "heads": 2}
 pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.slow]
 
 
+def reference_losses(run: GPTRun) -> list[float]:
+    return lm.train_reference(
+        run.task, run.steps, run.global_batch, lr=run.lr, seed=run.seed,
+        schedule=lambda step: lr_factor(step, run.steps, run.warmup), dim=run.dim,
+        heads=run.heads)[1]
+
+
 @pytest.mark.parametrize("nprocs, settings", [
     (2, {}), (2, {"accumulate": 2, "checkpointing": "block"}), (4, {"replicate": 2})],
     ids=["fsdp2", "accumulate-and-recompute", "hsdp"])
@@ -32,10 +43,7 @@ def test_fsdp2_and_hsdp_follow_the_one_process_run(nprocs, settings):
     run = GPTRun(**QUICK, **settings)
     # CPU check: gloo ranks, float32, the same arithmetic as the reference on any machine
     result = launch(train_gpt, run, nprocs=nprocs, backend="gloo")
-    _, expected = lm.train_reference(
-        run.task, run.steps, run.global_batch, lr=run.lr, seed=run.seed,
-        schedule=lambda step: lr_factor(step, run.steps, run.warmup), dim=run.dim,
-        heads=run.heads)
+    expected = reference_losses(run)
     # float32 sums in another order (per rank, then across ranks): a few ulps apart
     assert result["losses"] == pytest.approx(expected, rel=1e-5)
     assert result["mesh"] == ({"dp": 2, "fsdp": 2} if "replicate" in settings
@@ -48,7 +56,7 @@ def test_a_resumed_run_ends_bit_for_bit_where_the_uninterrupted_one_does(tmp_pat
     whole = launch(train_gpt, GPTRun(**settings), nprocs=2, backend="gloo", return_all=True)
     first = launch(train_gpt, GPTRun(**settings, checkpoint=tmp_path, stop_after=7),
                    nprocs=2, backend="gloo", return_all=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json", "step-000004"]
     rest = launch(train_gpt, GPTRun(**settings, checkpoint=tmp_path), nprocs=2,
                   backend="gloo", return_all=True)
     assert first[0]["losses"] == whole[0]["losses"][:7]
@@ -56,7 +64,46 @@ def test_a_resumed_run_ends_bit_for_bit_where_the_uninterrupted_one_does(tmp_pat
     assert [r["state_digest"] for r in rest] == [r["state_digest"] for r in whole]
     assert rest[0]["lr_at_end"] == whole[0]["lr_at_end"] == 0.0
     # the newest two complete checkpoints are kept, older ones deleted
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000008", "step-000010"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json", "step-000008",
+                                                          "step-000010"]
+
+
+def test_a_checkpoint_resumes_on_other_ranks_and_refuses_another_run(tmp_path):
+    settings = {**QUICK, "steps": 8, "save_every": 4}
+    # CPU checks: gloo ranks, float32 on every machine
+    launch(train_gpt, GPTRun(**settings, checkpoint=tmp_path, stop_after=4), nprocs=2,
+           backend="gloo")
+    # 4 ranks as HSDP (2 x 2) read what 2 FSDP2 ranks wrote: DCP reshards on load
+    rest = launch(train_gpt, GPTRun(**settings, checkpoint=tmp_path, replicate=2), nprocs=4,
+                  backend="gloo")
+    assert rest["resumed_at"] == 4 and rest["mesh"] == {"dp": 2, "fsdp": 2}
+    assert rest["losses"] == pytest.approx(reference_losses(GPTRun(**settings))[4:], rel=1e-5)
+    with pytest.raises(LaunchError, match=r"another run \(lr 0.002 there, 0.001 now\)"):
+        launch(train_gpt, GPTRun(**settings, lr=1e-3, checkpoint=tmp_path), nprocs=2,
+               backend="gloo")
+
+
+def reductions_per_micro_batch(sync_every_micro_batch: bool) -> list[int]:
+    """Two micro-batches of one step; the gradient reductions each backward pass ran."""
+    model = lm.model_for(GPTRun(**QUICK).task, dim=32, heads=2)
+    shard_model(model, ParallelDims(fsdp=world_size()).build_mesh("cpu"), torch.float32)
+    inputs, targets = lm.rank_rows(lm.step_batch(GPTRun().task, 0, 16), rank(), world_size())
+    counts = []
+    for micro, rows in enumerate((slice(0, 4), slice(4, 8))):
+        model.set_requires_gradient_sync(sync_every_micro_batch or micro == 1)
+        before = len(collectives_so_far())
+        lm.lm_loss(model(inputs[rows]), targets[rows]).backward()
+        # gloo runs FSDP2's reduce-scatter as an all-reduce
+        counts.append(sum(e["profiling_name"] == "gloo:all_reduce"
+                          for e in collectives_so_far()[before:]))
+    return counts
+
+
+def test_accumulation_reduces_the_gradients_once_per_step():
+    # CPU check: the flight recorder reads gloo groups
+    # 3 FSDP units (2 blocks and the root): one reduction each, after the last micro-batch
+    assert launch(reductions_per_micro_batch, False, nprocs=2, backend="gloo") == [0, 3]
+    assert launch(reductions_per_micro_batch, True, nprocs=2, backend="gloo") == [3, 3]
 
 
 def skipped_together(poisoned_rank: int) -> dict:
@@ -110,3 +157,7 @@ def test_the_script_under_torchrun_resumes_and_matches_a_launched_run(tmp_path):
     whole, resumed = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab")
     assert resumed["resumed_at"] == 4 and resumed["losses"] == whole["losses"][4:]
     assert resumed["state_digest"] == whole["state_digest"]
+    # the finished run again: nothing left to train, and it says so
+    output = run_script([sys.executable, SCRIPT, "--nprocs", "2", *options,
+                         "--checkpoint", str(tmp_path / "a")])
+    assert "nothing to train: the checkpoint is at step 8 of 8" in output

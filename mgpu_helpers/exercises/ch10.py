@@ -9,14 +9,21 @@ import random
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import Replicate, Shard
 
+from .. import costs, gpt_recipe
 from ..data.recall import RecallTask
 from ..flight_recorder import collectives_so_far
 from ..lm import lm_loss, model_for, rank_rows, step_batch
 from ..memory import ActivationMeter
 from ..models.gpt import Block, GPTConfig
 from ..topology import ParallelDims
-from .core import Case, Exercise, as_number
+from .core import Case, Exercise, as_number, calls_during
+
+
+def _refusal(called: list[str], task: str) -> str:
+    return (f"your function called {', '.join(called)}, which does the work for you: "
+            f"{task}")
 
 # ------------------------------------------------------- 10.1 activation bytes
 
@@ -45,14 +52,28 @@ def _measured_block_bytes(batch, length, dim, heads, mlp_ratio, element_bytes) -
     return meter.peak
 
 
+#: What would give the answer without working it out: measuring (the checker's own
+#: measurement, the chapter's meter, autograd's hooks) or the chapter's formula.
+_MEASURES = {_measured_block_bytes: "the checker's own measurement",
+             ActivationMeter.__init__: "ActivationMeter",
+             torch.autograd.graph.saved_tensors_hooks.__init__: "saved_tensors_hooks",
+             costs.activation_bytes_per_block: "costs.activation_bytes_per_block",
+             costs.activation_bytes: "costs.activation_bytes"}
+
+
 def _activation_trial(fn, kind: str):
     sizes = _sizes(kind)
-    return fn(**sizes), {"bytes": _measured_block_bytes(**sizes), "sizes": sizes}
+    value, called = calls_during(_MEASURES, fn, **sizes)
+    return ({"bytes": value, "called": called},
+            {"bytes": _measured_block_bytes(**sizes), "sizes": sizes})
 
 
 def _activation_judge(got, expected) -> str | None:
     sizes, right = expected["sizes"], expected["bytes"]
     shown = ", ".join(f"{name}={value}" for name, value in sizes.items())
+    if got["called"]:
+        return _refusal(got["called"], "count the tensors the block keeps, from its sizes")
+    got = got["bytes"]
     value = as_number(got)
     if value is None:
         return f"for {shown}: expected a number of bytes, got {type(got).__name__}"
@@ -83,7 +104,10 @@ def _shard_trial(fn, replicate: int):
     task = RecallTask()
     model = model_for(task, dim=32, layers=3, heads=2)
     mesh = ParallelDims(dp=replicate, fsdp=world // replicate).build_mesh("cpu")
-    fn(model, mesh)
+    _, called = calls_during({gpt_recipe.shard_model: "mgpu_helpers.gpt_recipe.shard_model"},
+                             fn, model, mesh)
+    placements = sorted({tuple(p.placements) for p in model.parameters()
+                         if hasattr(p, "placements")}, key=str)
     units = [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
     compute = []
     hook = model.blocks[0].attention.q.register_forward_pre_hook(
@@ -99,9 +123,17 @@ def _shard_trial(fn, replicate: int):
                 collectives_so_far()[middle:]]
     hook.remove()
     sharded = all(hasattr(p, "placements") for p in model.parameters())
+    # HSDP on a 2-D mesh: replicated along "dp", sharded by rows along "fsdp"
+    expected = (Shard(0),) if replicate == 1 else (Replicate(), Shard(0))
     return ({"units": units, "compute": [str(d) for d in compute], "forward": forward,
-             "backward": backward, "sharded": sharded},
-            {"units": ["", "blocks.0", "blocks.1", "blocks.2"], "replicate": replicate})
+             "backward": backward, "sharded": sharded, "called": called,
+             "placements": [_shown(p) for p in placements]},
+            {"units": ["", "blocks.0", "blocks.1", "blocks.2"], "replicate": replicate,
+             "placements": [_shown(expected)]})
+
+
+def _shown(placements: tuple) -> str:
+    return "(" + ", ".join(map(repr, placements)) + ")"
 
 
 def _reductions(collectives) -> list:
@@ -111,6 +143,8 @@ def _reductions(collectives) -> list:
 
 
 def _shard_judge(got, expected) -> str | None:
+    if got["called"]:
+        return _refusal(got["called"], "call fully_shard yourself")
     units = got["units"]
     if not units:
         return "no module was sharded: call fully_shard on each block, then on the model"
@@ -120,6 +154,12 @@ def _shard_judge(got, expected) -> str | None:
                 "(the root): blocks.0, blocks.1, blocks.2 and the model itself")
     if not got["sharded"]:
         return "some parameters are not sharded (not DTensors) after your function"
+    if got["placements"] != expected["placements"]:
+        mesh = ("the 2-D mesh, replicated along dp and sharded along fsdp"
+                if expected["replicate"] > 1 else "the mesh")
+        return (f"the parameters' placements are {', '.join(got['placements'])}; expected "
+                f"{expected['placements'][0]} on {mesh}: pass the whole mesh to fully_shard, "
+                "not one of its dimensions")
     if got["compute"] != ["torch.bfloat16"]:
         return (f"inside block 0 the weights were {', '.join(got['compute'])} during the "
                 "forward pass; expected torch.bfloat16 (MixedPrecisionPolicy's param_dtype)")
@@ -127,6 +167,9 @@ def _shard_judge(got, expected) -> str | None:
     if len(gathers) != 4:
         return (f"the forward pass ran {len(gathers)} all-gathers; expected 4, one per "
                 "FSDP unit")
+    if any(dtypes != ("BFloat16",) for dtypes in gathers):
+        return (f"the forward pass gathered weights in {gathers[0][0]}; expected BFloat16: "
+                "with param_dtype=torch.bfloat16 FSDP2 casts each shard before gathering it")
     reductions = _reductions(got["backward"])
     if not reductions:
         return "the backward pass reduced no gradients"

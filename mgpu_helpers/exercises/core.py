@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import inspect
 import numbers
+import sys
 import tempfile
 import textwrap
 import traceback
@@ -152,6 +153,28 @@ def is_stub(fn: Callable) -> bool:
         return False
     raised = body[0].exc.func if isinstance(body[0].exc, ast.Call) else body[0].exc
     return isinstance(raised, ast.Name) and raised.id == "NotImplementedError"
+
+
+def calls_during(watched: dict[Callable, str], fn: Callable, *args,
+                 **kwargs) -> tuple[Any, list[str]]:
+    """``fn(*args, **kwargs)``, and which of the ``watched`` functions ran during the call (their
+    shown names, in the order first seen): how a task refuses a helper that would do the
+    work for the reader. Functions are recognised by their code, so an alias, a
+    module-level import or a call from another helper is seen too."""
+    codes = {function.__code__: name for function, name in watched.items()}
+    seen: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code in codes and codes[frame.f_code] not in seen:
+            seen.append(codes[frame.f_code])
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        sys.setprofile(previous)
+    return result, seen
 
 
 def reader_traceback(error: BaseException) -> str:
