@@ -17,9 +17,10 @@
   every rank writes its own shards, through ``get_state_dict``/``set_state_dict``,
   written to a temporary folder and renamed once complete; a run started again resumes
   from the newest one and continues exactly as the uninterrupted run (the data of a step
-  is a function of the step, the model has no dropout, so nothing random is drawn after
-  the weights are made; the learning-rate schedule is in the checkpoint). It may resume
-  on another number of ranks: DCP reshards. The folder must be on a filesystem every
+  is a function of the step; the learning-rate schedule and each rank's random state,
+  for a model that draws random numbers, are in the checkpoint). It may resume on
+  another number of ranks: DCP reshards the tensors, and the random states, which belong
+  to ranks that no longer exist, are then not restored. The folder must be on a filesystem every
   rank sees (DCP's file writer needs one), and ``run.json`` in it records the settings
   a resumed run must share.
 """
@@ -195,6 +196,24 @@ def newest_to_resume(run: GPTRun) -> Path | None:
     return None if choice[0] is None else Path(choice[0])
 
 
+def _random_state_file(folder: Path) -> Path:
+    return folder / f"random-state-rank{rank()}-of-{world_size()}.pt"
+
+
+def random_state() -> dict:
+    """This process's random state: the CPU generator's, and the GPU's where there is one."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_random_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
 def save(run: GPTRun, step: int, model, optimizer, scheduler) -> Path:
     """Every rank writes its shards; the folder appears, renamed, once all have. The
     newest :data:`KEEP_CHECKPOINTS` complete folders are kept, older ones deleted (rank 0
@@ -212,6 +231,9 @@ def save(run: GPTRun, step: int, model, optimizer, scheduler) -> Path:
             (root / RUN_FILE).write_text(json.dumps(resume_settings(run), indent=1) + "\n")
     dist.barrier()
     dcp.save(state, checkpoint_id=temporary)
+    # a rank's random state is its own, not a shard of anything: a file per rank, beside
+    # DCP's (one DCP key per rank would be a key the next run may not have)
+    torch.save(random_state(), _random_state_file(temporary))
     dist.barrier()
     if rank() == 0:
         temporary.rename(final)
@@ -235,6 +257,9 @@ def load(folder: Path, model, optimizer, scheduler) -> int:
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    mine = _random_state_file(folder)
+    if mine.is_file():  # the same number of ranks as the run that saved
+        set_random_state(torch.load(mine, weights_only=True))
     return state["step"]
 
 

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from mgpu_helpers import launch, lm
 from mgpu_helpers.flight_recorder import collectives_so_far
-from mgpu_helpers.gpt_recipe import GPTRun, lr_factor, shard_model, train_gpt
+from mgpu_helpers.gpt_recipe import GPTRun, load, lr_factor, save, shard_model, train_gpt
 from mgpu_helpers.launcher import LaunchError
 from mgpu_helpers.ranks import rank, world_size
 from mgpu_helpers.topology import ParallelDims
@@ -81,6 +81,29 @@ def test_a_checkpoint_resumes_on_other_ranks_and_refuses_another_run(tmp_path):
     with pytest.raises(LaunchError, match=r"another run \(lr 0.002 there, 0.001 now\)"):
         launch(train_gpt, GPTRun(**settings, lr=1e-3, checkpoint=tmp_path), nprocs=2,
                backend="gloo")
+
+
+def random_numbers_after_a_resume(folder: Path) -> tuple[bool, list[float]]:
+    """Save, draw on, restore: whether the draws after the restore repeat those after the
+    save (what dropout would draw), and the first of them."""
+    model = lm.model_for(GPTRun().task, dim=32, heads=2)
+    shard_model(model, ParallelDims(fsdp=world_size()).build_mesh("cpu"), torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    torch.manual_seed(100 + rank())  # each rank a stream of its own
+    saved = save(GPTRun(checkpoint=folder), 1, model, optimizer, scheduler)
+    after_save = torch.rand(4)
+    torch.rand(10)  # the run goes on, and is restarted
+    load(saved, model, optimizer, scheduler)
+    return torch.equal(torch.rand(4), after_save), after_save.tolist()
+
+
+def test_each_rank_resumes_its_own_random_stream(tmp_path):
+    # CPU check: gloo ranks and the CPU generator, on every machine
+    outcome = launch(random_numbers_after_a_resume, tmp_path, nprocs=2, backend="gloo",
+                     return_all=True)
+    assert [same for same, _ in outcome] == [True, True]
+    assert outcome[0][1] != outcome[1][1]
 
 
 def reductions_per_micro_batch(sync_every_micro_batch: bool) -> list[int]:
