@@ -13,33 +13,23 @@
   compiled (``torch.compile``, one graph per block);
 * gradient accumulation: ``set_requires_gradient_sync(False)`` on all but the last
   micro-batch of a step, so the gradients are reduced once per step;
-* a distributed checkpoint (``torch.distributed.checkpoint``) every ``save_every`` steps:
-  every rank writes its own shards, through ``get_state_dict``/``set_state_dict``,
-  written to a temporary folder and renamed once complete; a run started again resumes
-  from the newest one and continues exactly as the uninterrupted run (the data of a step
-  is a function of the step; the learning-rate schedule and each rank's random state,
-  for a model that draws random numbers, are in the checkpoint). It may resume on
-  another number of ranks: DCP reshards the tensors, and the random states, which belong
-  to ranks that no longer exist, are then not restored. The folder must be on a filesystem every
-  rank sees (DCP's file writer needs one), and ``run.json`` in it records the settings
-  a resumed run must share.
+* a distributed checkpoint every ``save_every`` steps (:mod:`mgpu_helpers.checkpoints`);
+  a run started again with the same settings resumes from the newest one and continues
+  exactly as the uninterrupted run (the data of a step is a function of the step), on
+  the same or another number of ranks.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from .checkpoints import load, newest_to_resume, save, state_digest
 from .data.recall import RecallTask
 from .lm import HELD_OUT_SEED, exact_match, lm_loss, model_for, rank_rows, step_batch
 from .precision import amp_dtype_for
@@ -49,12 +39,10 @@ from .topology import ParallelDims
 
 PRECISIONS = ("auto", "float32", "bfloat16", "float16")
 CHOICES = ("none", "block")
-KEEP_CHECKPOINTS = 2
 #: What a resumed run must share with the run that saved: the model, its data and the
 #: schedule. The ranks, the mesh, precision, recomputation and compilation may change.
 RESUME_MUST_MATCH = ("steps", "global_batch", "lr", "warmup", "seed", "dim", "layers",
                      "heads", "pairs", "queries")
-RUN_FILE = "run.json"
 
 
 @dataclass
@@ -113,6 +101,10 @@ class GPTRun:
     def task(self) -> RecallTask:
         return RecallTask(pairs=self.pairs, queries=self.queries)
 
+    def resume_settings(self) -> dict:
+        """The settings a run resuming this one's checkpoints must share."""
+        return {name: getattr(self, name) for name in RESUME_MUST_MATCH}
+
 
 def lr_factor(step: int, steps: int, warmup: int) -> float:
     """Warm-up, stable, decay: a linear ramp over ``warmup`` steps, the peak rate, then a
@@ -144,138 +136,6 @@ def shard_model(model, mesh, param_dtype: torch.dtype) -> None:
     fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
-def _step_folder(root: Path, step: int) -> Path:
-    return root / f"step-{step:06d}"
-
-
-def latest_checkpoint(root: Path | None) -> Path | None:
-    """The newest complete checkpoint folder under ``root`` (temporary ones ignored)."""
-    if root is None or not root.is_dir():
-        return None
-    done = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
-    return done[-1] if done else None
-
-
-def resume_settings(run: GPTRun) -> dict:
-    return {name: getattr(run, name) for name in RESUME_MUST_MATCH}
-
-
-def check_resumable(root: Path, run: GPTRun) -> None:
-    """Refuse to resume from ``root`` a run whose model, data or schedule differ from the
-    run that saved there (its ``run.json``): it would continue someone else's training."""
-    saved_file = root / RUN_FILE
-    if not saved_file.is_file():
-        raise ValueError(f"{root} holds checkpoints but no {RUN_FILE}: it was not written "
-                         "by train_gpt. Give another --checkpoint folder.")
-    saved = json.loads(saved_file.read_text())
-    differ = {name: (saved.get(name), value) for name, value in resume_settings(run).items()
-              if saved.get(name) != value}
-    if differ:
-        shown = ", ".join(f"{name} {was!r} there, {now!r} now"
-                          for name, (was, now) in differ.items())
-        raise ValueError(f"the checkpoints in {root} are of another run ({shown}). Run with "
-                         f"the same settings to resume it, or give another --checkpoint "
-                         f"folder (or delete {root}) to start afresh.")
-
-
-def newest_to_resume(run: GPTRun) -> Path | None:
-    """Rank 0 picks the checkpoint to resume (after :func:`check_resumable`) and every rank
-    gets its choice, or its refusal, so that no two ranks read different folders."""
-    choice = [None, None]
-    if rank() == 0:
-        try:
-            latest = latest_checkpoint(run.checkpoint)
-            if latest is not None:
-                check_resumable(run.checkpoint, run)
-                choice[0] = str(latest)
-        except ValueError as refused:
-            choice[1] = str(refused)
-    dist.broadcast_object_list(choice, src=0)
-    if choice[1] is not None:
-        raise ValueError(choice[1])
-    return None if choice[0] is None else Path(choice[0])
-
-
-def _random_state_file(folder: Path) -> Path:
-    return folder / f"random-state-rank{rank()}-of-{world_size()}.pt"
-
-
-def random_state() -> dict:
-    """This process's random state: the CPU generator's, and the GPU's where there is one."""
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_random_state(state: dict) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def save(run: GPTRun, step: int, model, optimizer, scheduler) -> Path:
-    """Every rank writes its shards; the folder appears, renamed, once all have. The
-    newest :data:`KEEP_CHECKPOINTS` complete folders are kept, older ones deleted (rank 0
-    renames and deletes: the folder is on a filesystem every rank sees)."""
-    root = run.checkpoint
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state,
-             "scheduler": scheduler.state_dict(), "step": step}
-    final = _step_folder(root, step)
-    temporary = final.with_name(final.name + ".tmp")
-    if rank() == 0:
-        shutil.rmtree(temporary, ignore_errors=True)  # left by a killed save
-        if not (root / RUN_FILE).is_file():
-            root.mkdir(parents=True, exist_ok=True)
-            (root / RUN_FILE).write_text(json.dumps(resume_settings(run), indent=1) + "\n")
-    dist.barrier()
-    dcp.save(state, checkpoint_id=temporary)
-    # a rank's random state is its own, not a shard of anything: a file per rank, beside
-    # DCP's (one DCP key per rank would be a key the next run may not have)
-    torch.save(random_state(), _random_state_file(temporary))
-    dist.barrier()
-    if rank() == 0:
-        temporary.rename(final)
-        for older in sorted(p for p in root.glob("step-*") if p.is_dir()
-                            and not p.name.endswith(".tmp"))[:-KEEP_CHECKPOINTS]:
-            shutil.rmtree(older)  # the newer ones are complete: nothing is lost
-    dist.barrier()
-    return final
-
-
-def load(folder: Path, model, optimizer, scheduler) -> int:
-    """Restore what :func:`save` wrote into ``model`` and ``optimizer`` (sharded as they
-    are now, on any number of ranks) and ``scheduler``; returns the step to continue
-    from. ``get_state_dict`` gives the structure to fill: on an optimizer that has not
-    stepped yet it first runs a step with zero gradients and a zero learning rate, which
-    allocates AdamW's moments and changes no weight."""
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state,
-             "scheduler": scheduler.state_dict(), "step": 0}
-    dcp.load(state, checkpoint_id=folder)
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    mine = _random_state_file(folder)
-    if mine.is_file():  # the same number of ranks as the run that saved
-        set_random_state(torch.load(mine, weights_only=True))
-    return state["step"]
-
-
-def state_digest(model, optimizer) -> str:
-    """A fingerprint of this rank's shards of the weights and of AdamW's state, bit for
-    bit: two runs that end with equal digests on every rank ended in the same state."""
-    digest = hashlib.sha256()
-    tensors = [p.to_local() for p in model.parameters()]
-    for state in optimizer.state.values():
-        tensors += [value.to_local() if hasattr(value, "to_local") else value
-                    for _, value in sorted(state.items())]
-    for tensor in tensors:
-        digest.update(tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
 def train_gpt(run: GPTRun) -> dict:
     """One rank's run. Returns the settings, every step's loss (the mean over all
     ranks' sequences), the held-out exact-match accuracy, the step the run resumed from,
@@ -305,7 +165,8 @@ def train_gpt(run: GPTRun) -> dict:
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
 
     start = 0
-    resumed = newest_to_resume(run) if run.checkpoint is not None else None
+    resumed = (newest_to_resume(run.checkpoint, run.resume_settings())
+               if run.checkpoint is not None else None)
     if resumed is not None:
         start = load(resumed, model, optimizer, scheduler)
         if run.verbose:
@@ -338,7 +199,8 @@ def train_gpt(run: GPTRun) -> dict:
             first_step_seconds = time.perf_counter() - began
         if run.checkpoint is not None and ((step + 1) % run.save_every == 0
                                            or step + 1 == run.steps):
-            folder = save(run, step + 1, model, optimizer, scheduler)
+            folder = save(run.checkpoint, step + 1, model, optimizer, scheduler,
+                          run.resume_settings())
             if run.verbose:
                 print0(f"saved {folder}")
 

@@ -11,15 +11,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from mgpu_helpers import costs, lm
+from mgpu_helpers.checkpoints import RUN_FILE, check_resumable
 from mgpu_helpers.data.recall import IGNORE, RecallDataset, RecallTask
-from mgpu_helpers.gpt_recipe import (
-    RUN_FILE,
-    GPTRun,
-    check_resumable,
-    compute_dtype,
-    lr_factor,
-    resume_settings,
-)
+from mgpu_helpers.gpt_recipe import GPTRun, compute_dtype, lr_factor
 from mgpu_helpers.memory import ActivationMeter
 from mgpu_helpers.models.gpt import GPT, GPTConfig
 
@@ -250,8 +244,8 @@ def test_the_run_settings_are_checked():
 def test_a_checkpoint_folder_is_resumed_only_by_the_run_that_wrote_it(tmp_path):
     (tmp_path / "step-000004").mkdir()
     with pytest.raises(ValueError, match="no run.json: it was not written by train_gpt"):
-        check_resumable(tmp_path, GPTRun())
-    (tmp_path / RUN_FILE).write_text(json.dumps(resume_settings(GPTRun(steps=40))))
-    check_resumable(tmp_path, GPTRun(steps=40, replicate=2, precision="bfloat16"))
+        check_resumable(tmp_path, GPTRun().resume_settings())
+    (tmp_path / RUN_FILE).write_text(json.dumps(GPTRun(steps=40).resume_settings()))
+    check_resumable(tmp_path, GPTRun(steps=40, replicate=2, precision="bfloat16").resume_settings())
     with pytest.raises(ValueError, match=r"\(steps 40 there, 300 now, seed 0 there, 1 now\)"):
-        check_resumable(tmp_path, GPTRun(seed=1))
+        check_resumable(tmp_path, GPTRun(seed=1).resume_settings())

@@ -15,8 +15,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from mgpu_helpers import launch, lm
+from mgpu_helpers.checkpoints import load, save
 from mgpu_helpers.flight_recorder import collectives_so_far
-from mgpu_helpers.gpt_recipe import GPTRun, load, lr_factor, save, shard_model, train_gpt
+from mgpu_helpers.gpt_recipe import GPTRun, lr_factor, shard_model, train_gpt
 from mgpu_helpers.launcher import LaunchError
 from mgpu_helpers.ranks import rank, world_size
 from mgpu_helpers.topology import ParallelDims
@@ -91,7 +92,7 @@ def random_numbers_after_a_resume(folder: Path) -> tuple[bool, list[float]]:
     optimizer = torch.optim.AdamW(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     torch.manual_seed(100 + rank())  # each rank a stream of its own
-    saved = save(GPTRun(checkpoint=folder), 1, model, optimizer, scheduler)
+    saved = save(folder, 1, model, optimizer, scheduler, GPTRun().resume_settings())
     after_save = torch.rand(4)
     torch.rand(10)  # the run goes on, and is restarted
     load(saved, model, optimizer, scheduler)
