@@ -1,20 +1,19 @@
 """Chapter 03's exercises: collectives built from point-to-point messages.
 
-What a rank sends is counted where every point-to-point message goes through,
-``ProcessGroup.send`` (``dist.send``, ``dist.isend`` and ``batch_isend_irecv``'s
-``P2POp`` all call it): gloo's flight recorder keeps the collectives only, no entry for a
-send or a receive. A ring sends to one neighbour only, and no more bytes than the ring's
-steps carry."""
+What a rank sends is counted where every point-to-point message goes through
+(:func:`mgpu_helpers.traffic.sends_counted`): gloo's flight recorder keeps the
+collectives only, no entry for a send or a receive. A ring sends to one neighbour only,
+and no more bytes than the ring's steps carry."""
 
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 from ..flight_recorder import collectives_so_far
+from ..traffic import sends_counted
 from .core import Case, Exercise, as_number, beyond, count
 
 
@@ -29,25 +28,6 @@ def _collectives_since(before: int) -> list[str]:
     # is_p2p test keeps this right on a backend that records them too (NCCL does)
     return sorted({entry["profiling_name"] for entry in collectives_so_far()[before:]
                    if not entry.get("is_p2p", False)})
-
-
-@contextmanager
-def _counting_sends():
-    """Inside a rank: a list that receives (peer, bytes) for every message this rank
-    sends while the block runs."""
-    sent: list[tuple[int, int]] = []
-    original = dist.ProcessGroup.send
-
-    def counting(group, tensors, *args, **kwargs):
-        peer = args[0] if args else kwargs.get("dstRank")  # the rank in ``group``
-        sent.append((peer, sum(t.numel() * t.element_size() for t in tensors)))
-        return original(group, tensors, *args, **kwargs)
-
-    dist.ProcessGroup.send = counting
-    try:
-        yield sent
-    finally:
-        dist.ProcessGroup.send = original
 
 
 def _traffic(sent: list, elements: int, phases: int, element_size: int) -> dict:
@@ -65,7 +45,7 @@ def _ring_trial(fn, length: int):
     expected = tensor.clone()
     dist.all_reduce(expected)
     before = len(collectives_so_far())
-    with _counting_sends() as sent:
+    with sends_counted() as sent:
         fn(tensor)
     traffic = _traffic(sent, length, 2, tensor.element_size())
     return (tensor, _collectives_since(before), traffic), expected
@@ -79,7 +59,7 @@ def _reduce_scatter_trial(fn, length: int):
     expected = expected.chunk(world)[dist.get_rank()].clone()
     output = torch.full((length,), float("nan"))
     before = len(collectives_so_far())
-    with _counting_sends() as sent:
+    with sends_counted() as sent:
         fn(output, source.clone())
     traffic = _traffic(sent, length * world, 1, source.element_size())
     return (output, _collectives_since(before), traffic), expected
