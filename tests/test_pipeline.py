@@ -191,6 +191,7 @@ def test_measure_gpipe_reports_speedups_bubbles_and_a_balanced_cut():
         assert result[m]["seconds"] > 0 and 0 <= result[m]["bubble"] < 1
         assert result[m]["ideal_speedup"] == pytest.approx(pp.ideal_speedup(2, m))
         assert len(result[m]["events"]) == 2 * 2 * m  # 2 ranks x forward/backward x M
+        assert min(pp.input_waits(result[m]["events"])) > 0  # each pass after its input
         assert len(result[m]["bubbles"]) == 1 and result[m]["bubble"] == result[m]["bubbles"][0]
         assert 0 <= result[m]["bubble_instant_transfers"] < 1
 

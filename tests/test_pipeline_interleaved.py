@@ -127,6 +127,30 @@ def test_instant_transfers_refuse_events_that_are_not_one_step():
         pp.instant_transfers([])
 
 
+def test_input_waits_read_each_pass_against_the_pass_it_needs():
+    # rank 0 holds pieces 0 and 2, rank 1 piece 1 and 3; micro-batch 0 only
+    events = [pp.Event(0, "forward", 0, 0.0, 1.0, 0), pp.Event(1, "forward", 0, 1.5, 2.0, 1),
+              pp.Event(0, "forward", 0, 2.25, 3.0, 2), pp.Event(1, "forward", 0, 3.0, 4.0, 3),
+              pp.Event(1, "backward", 0, 4.0, 5.0, 3), pp.Event(0, "backward", 0, 5.5, 6.0, 2),
+              pp.Event(1, "backward", 0, 6.125, 7.0, 1), pp.Event(0, "backward", 0, 7.5, 8.0, 0)]
+    assert sorted(pp.input_waits(events)) == [0.0, 0.125, 0.25, 0.5, 0.5, 0.5]
+    # GPipe on 2 ranks (no virtual stages): rank 1's forward started before its input existed
+    early = [pp.Event(0, "forward", 0, 0.0, 1.0), pp.Event(1, "forward", 0, 0.5, 2.0),
+             pp.Event(1, "backward", 0, 2.0, 3.0), pp.Event(0, "backward", 0, 3.5, 4.0)]
+    assert sorted(pp.input_waits(early)) == [-0.5, 0.5]
+
+
+def test_input_waits_refuse_events_that_are_not_one_step():
+    one = [pp.Event(0, "forward", 0, 0.0, 1.0), pp.Event(1, "forward", 0, 1.5, 2.0),
+           pp.Event(1, "backward", 0, 2.0, 3.0), pp.Event(0, "backward", 0, 3.5, 4.0)]
+    with pytest.raises(ValueError, match="needs \\('forward', 0, 0\\), which is not among"):
+        pp.input_waits(one[1:])
+    with pytest.raises(ValueError, match="appears twice"):
+        pp.input_waits(one + one[:1])
+    with pytest.raises(ValueError, match="no events recorded"):
+        pp.input_waits([])
+
+
 def test_gantt_chart_shades_each_virtual_stage():
     orders = [pp.interleaved_order(r, 2, 2, 2) for r in range(2)]
     ax = plot_timeline(pp.instant_transfers(unit_timeline(orders)))
@@ -217,6 +241,7 @@ def test_compare_schedules_times_every_piece_and_reports_the_theory():
                           for e in row["events"]) == sorted(
                 (piece, kind, i) for piece in pieces for kind in ("forward", "backward")
                 for i in range(m))
+            assert min(pp.input_waits(row["events"])) > 0  # each pass after its input
             assert len(row["bubbles_instant_transfers"]) == 2
             assert all(0 <= bubble < 1 for bubble in row["bubbles_instant_transfers"])
             assert row["theoretical_bubble"] == pytest.approx(1 / (virtual * m + 1))

@@ -20,7 +20,8 @@ builds its understanding on these pieces, one module per job:
   tells them apart where two ranks share several cuts;
 * :mod:`.timeline`: :class:`Timeline` records when each rank computed what, for a Gantt
   chart (:func:`mgpu_helpers.viz.plot_timeline`) and the measured idle share
-  (:func:`bubble_fraction`, also with :func:`instant_transfers`), compared with the
+  (:func:`bubble_fraction`, also with :func:`instant_transfers`), how long each pass
+  started after its input existed (:func:`input_waits`), compared with the
   theory (:func:`theoretical_bubble`: (K-1)/(v·M+K-1) of the step, which is GPipe's
   (K-1)/(M+K-1) for v = 1; :func:`bubble_to_compute` gives the paper's form, the bubble
   over the ideal compute time, (K-1)/(v·M)).
@@ -45,13 +46,14 @@ from .timeline import (
     bubble_fraction,
     bubble_to_compute,
     ideal_speedup,
+    input_waits,
     instant_transfers,
     theoretical_bubble,
 )
 
 __all__ = [
     "MAX_DIMS", "Event", "LayerCost", "Timeline", "balanced_cuts", "bubble_fraction",
-    "bubble_to_compute", "gpipe_step", "ideal_speedup", "instant_transfers",
+    "bubble_to_compute", "gpipe_step", "ideal_speedup", "input_waits", "instant_transfers",
     "interleaved_1f1b_step", "interleaved_order", "layer_costs", "message_tag",
     "micro_batch_size", "split_batch", "split_sequential", "theoretical_bubble",
 ]

@@ -1,5 +1,6 @@
 """When each rank computed what: the recorded timeline of a pipeline step, its measured
-idle share, the same step replayed with instant transfers, and the theory's bubble.
+idle share, how long each pass started after its input existed, the same step replayed
+with instant transfers, and the theory's bubble.
 
 K is the number of ranks, v the virtual stages (model pieces) each rank holds, M the
 number of micro-batches.
@@ -51,6 +52,54 @@ def bubble_fraction(events: Sequence[Event]) -> float:
     return 1 - busy / (len(ranks) * span)
 
 
+def _piece(event: Event) -> int:
+    """The model piece an event ran: its virtual stage, else its rank's one piece."""
+    return event.rank if event.virtual_stage is None else event.virtual_stage
+
+
+def _input_of(event: Event, last: int) -> tuple[str, int, int] | None:
+    """The pass whose output ``event`` needs, as ``(kind, piece, micro_batch)``: the
+    previous piece's forward of its micro-batch for a forward pass, the next piece's
+    backward for a backward pass; None for the first piece's forward and the last
+    piece's backward, which need no other piece."""
+    piece = _piece(event)
+    if event.kind == "forward":
+        return ("forward", piece - 1, event.micro_batch) if piece > 0 else None
+    return ("backward", piece + 1, event.micro_batch) if piece < last else None
+
+
+def input_waits(events: Sequence[Event]) -> list[float]:
+    """For every pass that needs another piece's output, how long after that output was
+    computed the pass started, read from the ranks' own clocks (``time.perf_counter``,
+    one clock for all processes of a host): a forward pass after the previous piece's
+    forward of its micro-batch, a backward pass after the next piece's backward. All
+    values above 0 show that each pass started once its input existed, so the wait for
+    the message lies outside the pass's box.
+
+    Raises ValueError when a pass appears twice or the pass another one needs is missing:
+    the events are then not all ranks' events of one step."""
+    if not events:
+        raise ValueError("no events recorded")
+    done: dict[tuple[str, int, int], Event] = {}
+    for event in events:
+        key = (event.kind, _piece(event), event.micro_batch)
+        if key in done:
+            raise ValueError(f"pass {key} appears twice: pass one step's events")
+        done[key] = event
+    last = max(_piece(e) for e in events)
+    waits = []
+    for event in events:
+        needs = _input_of(event, last)
+        if needs is None:
+            continue
+        if needs not in done:
+            raise ValueError(f"pass {(event.kind, _piece(event), event.micro_batch)} needs "
+                             f"{needs}, which is not among the events: pass all ranks' "
+                             "events of one step")
+        waits.append(event.start - done[needs].end)
+    return waits
+
+
 def instant_transfers(events: Sequence[Event]) -> list[Event]:
     """The same timeline as if every message arrived the moment it was sent: each rank
     runs the same passes in the same order, each taking as long as it took, and starts
@@ -59,11 +108,7 @@ def instant_transfers(events: Sequence[Event]) -> list[Event]:
     backward). The difference in :func:`bubble_fraction` is what transfers cost."""
     if not events:
         raise ValueError("no events recorded")
-
-    def piece(event: Event) -> int:
-        return event.rank if event.virtual_stage is None else event.virtual_stage
-
-    last = max(piece(e) for e in events)
+    last = max(_piece(e) for e in events)
     origin = min(e.start for e in events)
     queues = {rank: sorted((e for e in events if e.rank == rank), key=lambda e: e.start)
               for rank in sorted({e.rank for e in events})}
@@ -76,23 +121,18 @@ def instant_transfers(events: Sequence[Event]) -> list[Event]:
         for rank, queue in queues.items():
             while queue:
                 event = queue[0]
-                if event.kind == "forward":
-                    needs = ("forward", piece(event) - 1, event.micro_batch)
-                    needed = piece(event) > 0
-                else:
-                    needs = ("backward", piece(event) + 1, event.micro_batch)
-                    needed = piece(event) < last
-                if needed and needs not in done:
+                needs = _input_of(event, last)
+                if needs is not None and needs not in done:
                     break
-                start = max(free[rank], done[needs] if needed else origin)
+                start = max(free[rank], origin if needs is None else done[needs])
                 end = start + event.end - event.start
                 replayed.append(Event(event.rank, event.kind, event.micro_batch, start, end,
                                       event.virtual_stage))
-                done[event.kind, piece(event), event.micro_batch] = free[rank] = end
+                done[event.kind, _piece(event), event.micro_batch] = free[rank] = end
                 queue.pop(0)
                 progress = True
     if any(queues.values()):
-        stuck = {rank: (queue[0].kind, piece(queue[0]), queue[0].micro_batch)
+        stuck = {rank: (queue[0].kind, _piece(queue[0]), queue[0].micro_batch)
                  for rank, queue in queues.items() if queue}
         raise ValueError(f"these events are not a pipeline step: ranks wait for passes "
                          f"that never run first ({stuck}); pass all ranks' events of one step")
