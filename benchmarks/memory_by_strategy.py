@@ -5,11 +5,12 @@ On 2 gloo CPU ranks, `mgpu_helpers.labs.memory.rank_memory` trains 4 feed-forwar
 blocks (512 -> 2048 -> 512, 8.4 M parameters) with Adam under DDP, DDP with its
 gradients as bucket views, ZeRO-1, FSDP2 keeping the gathered weights from forward to
 backward, and FSDP2 resharding after forward. Per rank: the parameters, gradients,
-Adam state and bucket buffers held after a step, against the formula (target: within
+Adam state and bucket buffers held after a step (the bytes of their distinct storages;
+the buckets through a DDP communication hook), against the formula (target: within
 5%); the most bytes allocated on top of them in the forward pass, the backward pass and
 the optimizer step (torch.profiler's memory events); the collectives of the step and
-their volume in units of the parameter count (flight recorder). Chapter 07 checks the
-stored run. Writes memory_by_strategy.{json,png}.
+their volume in units of the parameter count (flight recorder). Chapter 07 runs the
+same measurement live; this stores a reference run. Writes memory_by_strategy.{json,png}.
 Run: `make bench` or `python benchmarks/memory_by_strategy.py`.
 """
 

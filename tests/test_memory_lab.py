@@ -1,6 +1,7 @@
 """Chapter 07's memory anatomy and traffic per strategy (mgpu_helpers.labs.memory)."""
 
 import pytest
+import torch
 
 from mgpu_helpers import launch
 from mgpu_helpers.labs import memory
@@ -38,6 +39,56 @@ def test_collectives_volume_counts_an_all_reduce_twice():
         "all_reduce": {"calls": 1, "elements": 60},
         "all_gather": {"calls": 2, "elements": 20},
         "broadcast": {"calls": 1, "elements": 7}}
+
+
+def test_storages_count_a_shared_buffer_once_and_whole():
+    flat = torch.zeros(10)
+    found = memory.storages([flat[:5], flat[5:], torch.zeros(3, dtype=torch.float64), None])
+    assert sorted(found.values()) == [24, 40]  # the views: their whole buffer, once
+
+
+def test_step_calls_lists_each_collective_with_its_bytes():
+    entries = [
+        {"profiling_name": "gloo:all_reduce", "input_sizes": [[10, 3]], "output_sizes": [[10, 3]]},
+        {"profiling_name": "gloo:all_gather", "input_sizes": [[5]], "output_sizes": [[2, 5]]},
+    ]
+    assert memory.step_calls(entries) == [("all_reduce", 120), ("all_gather", 40)]
+
+
+def _buckets_and_gradients(views):
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(memory.feed_forward_blocks(16, 2), gradient_as_bucket_view=views)
+    buckets = memory.record_bucket_buffers(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    seen = []
+    for _ in range(3):  # DDP rebuilds its buckets after the first step
+        optimizer.zero_grad()
+        x = torch.randn(4, 16)
+        F.mse_loss(model(x), x).backward()
+        optimizer.step()
+        seen.append(memory.storages(buckets.values()))
+    params = list(model.parameters())
+    in_buckets = memory.storages(buckets.values())
+    return {"held": memory.held_by_kind(params, optimizer, buckets),
+            "same buffers in steps 2 and 3": seen[1] == seen[2],
+            "in a bucket": sum(not in_buckets.keys().isdisjoint(memory.storages([p.grad]))
+                               for p in params),
+            "parameters": len(params)}
+
+
+@pytest.mark.parametrize("views", [False, True])
+def test_bucket_buffers_copy_the_gradients_unless_they_are_views(views):
+    result = launch(_buckets_and_gradients, views, nprocs=2, backend="gloo")
+    held = result["held"]
+    assert result["same buffers in steps 2 and 3"]  # DDP keeps them: not a step's temporary
+    if views:  # every gradient lives in a bucket: no second copy
+        assert result["in a bucket"] == result["parameters"]
+        assert held["bucket buffers"] == 0
+    else:  # separate storage, as many bytes as the gradients
+        assert result["in a bucket"] == 0
+        assert held["bucket buffers"] == held["gradients"] == held["parameters"]
 
 
 def run(strategy, checkpointing=False):
@@ -84,3 +135,13 @@ def test_keeping_weights_after_forward_and_checkpointing_move_the_forward_peak()
     assert forward_extra("FSDP2") < result["extra at peak"]["forward"]
     assert forward_extra("DDP", checkpointing=True) < forward_extra("DDP")
 
+
+
+@pytest.mark.slow
+def test_the_step_collectives_timed_alone_and_the_cost_model_fitted():
+    result = launch(memory.rank_memory, "FSDP2", False, 2, 64, 2, 32, True, nprocs=2,
+                    backend="gloo")
+    assert [kind for kind, _ in result["calls"]].count("all_gather") == 4  # 2 per unit
+    assert result["traffic seconds"] > 0 and result["step seconds"] > 0
+    alpha, bandwidth = result["alpha, bandwidth"]
+    assert alpha > 0 and bandwidth > 0

@@ -58,6 +58,8 @@ def fsdp_run(first_step: int, last_step: int, load_from: str | None = None,
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     loaded, pending = None, None
+    # the background save's own gloo group (as torchtitan makes one), also on GPUs: a
+    # "cpu:gloo,cuda:nccl" default group would share its gloo part with training's
     save_group = dist.new_group(backend="gloo") if in_background else None
     if load_from is not None:
         model_state, optimizer_state = get_state_dict(model, optimizer)

@@ -1,12 +1,12 @@
 """Chapter 07's memory anatomy: what each data-parallel strategy keeps on a rank.
 
 :func:`rank_memory` trains a stack of equal feed-forward blocks for a few Adam steps
-under one strategy and measures, on this rank, the bytes of its parameters, gradients,
-Adam state and (DDP) bucket buffers after a step; the **peak** during a step, in each
-of its phases: the most bytes the allocator held on top of those, read from
-``torch.profiler``'s memory events; and the collectives of that step with their
-volume, read from the flight recorder. :func:`formula`
-gives what the ZeRO paper predicts for the same model. The strategies:
+under one strategy and measures, on this rank, the bytes of the distinct storages
+behind its parameters, gradients, Adam state and (DDP) bucket buffers after a step; the
+**peak** during a step, in each of its phases: the most bytes the allocator held on top
+of those, read from ``torch.profiler``'s memory events; and the collectives of that
+step with their volume, read from the flight recorder, optionally timed.
+:func:`formula` gives what the ZeRO paper predicts for the same model. The strategies:
 
 * ``"DDP"``: every rank holds everything, plus the bucket buffers DDP all-reduces;
 * ``"DDP, bucket views"``: ``gradient_as_bucket_view=True``, the gradients live in the
@@ -22,15 +22,13 @@ Activation checkpointing (each layer recomputed in backward) can be switched on 
 
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from ..flight_recorder import collectives_so_far
-from ..private_apis import ddp_logging_data, is_allocation, profiler_event_tree
+from ..private_apis import is_allocation, profiler_event_tree
 from ..ranks import rank, world_size
 from .native_stderr import native_stderr_silenced
 
@@ -68,15 +66,48 @@ def formula(strategy: str, parameters: int, ranks: int) -> dict:
             "bucket buffers": full if strategy in ("DDP", "ZeRO-1") else 0}
 
 
-def _local_bytes(tensors) -> int:
-    # a sharded DTensor counts only this rank's piece
-    return sum((t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size()
-               for t in tensors if t is not None)
+def storages(tensors) -> dict:
+    """``{address: bytes}`` of the distinct storages behind ``tensors`` (a sharded
+    DTensor: its local piece's): two views of one buffer count once, and a view counts
+    its whole buffer."""
+    found = {}
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        storage = (tensor.to_local() if hasattr(tensor, "to_local") else tensor).untyped_storage()
+        found[storage.data_ptr()] = storage.nbytes()
+    return found
 
 
-def _bucket_bytes(ddp_model) -> int:
-    sizes = ddp_logging_data(ddp_model).get("bucket_sizes", "")
-    return sum(int(size) for size in re.findall(r"\d+", str(sizes)))
+def record_bucket_buffers(ddp_model) -> dict:
+    """Register a communication hook on ``ddp_model`` that all-reduces each bucket as DDP
+    does by default (``allreduce_hook``) and keeps the flat buffer it was handed
+    (``GradBucket.buffer()``): ``{bucket index: buffer}``, filled by each backward."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    buffers = {}
+
+    def hook(state, bucket):
+        buffers[bucket.index()] = bucket.buffer()
+        return allreduce_hook(state, bucket)
+
+    ddp_model.register_comm_hook(None, hook)
+    return buffers
+
+
+def held_by_kind(params, optimizer, bucket_buffers) -> dict:
+    """Bytes of the distinct storages this rank keeps for each kind: parameters,
+    gradients, optimizer state (tensors of one or more dimensions) and bucket buffers
+    not already counted as gradients (with bucket views the gradients live in them)."""
+    optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's share
+    kinds = {"parameters": storages(params),
+             "gradients": storages([p.grad for p in params]),
+             "optimizer state": storages([t for state in optimizer.state.values()
+                                          for t in state.values() if t.dim() > 0])}
+    kinds["bucket buffers"] = {address: size for address, size
+                               in storages(bucket_buffers.values()).items()
+                               if address not in kinds["gradients"]}
+    return {kind: sum(found.values()) for kind, found in kinds.items()}
 
 
 class _Checkpointed(nn.Module):
@@ -124,23 +155,79 @@ PHASES = ("forward", "backward", "optimizer step")
 
 def _extra_at_peak(profile) -> dict:
     """The most bytes the CPU allocator held during each phase of the profiled step
-    beyond what it held when the step began: every allocation and free is an event
-    that carries the running total since the profiler started, and each phase is a
-    ``record_function`` range."""
-    allocations, phases = [], {}
+    beyond what it held when the step began, from its allocation and free events (each
+    phase is a ``record_function`` range). Each event is matched to its address: a free
+    of memory allocated before the step counts nothing, and an address allocated again
+    was freed in between, even when the free ran on one of gloo's threads, where the
+    profiler does not record it."""
+    events, phases = [], {}
 
-    def walk(events):
-        for event in events:
+    def walk(nodes):
+        for event in nodes:
             if is_allocation(event):
-                allocations.append((event.start_time_ns, event.extra_fields.total_allocated))
+                fields = event.extra_fields
+                events.append((event.start_time_ns, fields.ptr, fields.alloc_size))
             elif event.name in PHASES:
                 phases[event.name] = (event.start_time_ns, event.end_time_ns)
             walk(event.children)
 
     walk(profiler_event_tree(profile))
-    return {phase: max((total for time, total in allocations if start <= time <= end),
+    live, held, timeline = {}, 0, []
+    for time, address, size in sorted(events, key=lambda event: event[0]):
+        if size > 0:
+            held += size - live.get(address, 0)
+            live[address] = size
+        else:
+            held -= live.pop(address, 0)
+        timeline.append((time, held))
+    return {phase: max((total for time, total in timeline if start <= time <= end),
                        default=0)
             for phase, (start, end) in phases.items()}
+
+
+def step_calls(entries: list[dict]) -> list[tuple[str, int]]:
+    """``(collective, bytes)`` of each flight-recorder entry: an all-gather's output,
+    the others' input, as the cost model counts a tensor."""
+    calls = []
+    for entry in entries:
+        kind = entry["profiling_name"].split(":")[-1]
+        sizes = entry["output_sizes"] if kind == "all_gather" else entry["input_sizes"]
+        calls.append((kind, FLOAT_BYTES * sum(int(torch.Size(size).numel())
+                                              for size in sizes)))
+    return calls
+
+
+def traffic_seconds(calls: list[tuple[str, int]], repeats: int = 5) -> float:
+    """Inside a rank: the median time of running ``calls`` (``(collective, bytes)``, as
+    :func:`step_calls` lists a step's) one after the other on float32 tensors of those
+    sizes, every rank starting together, without a step's computation around them."""
+    import statistics
+    import time
+
+    world, work = world_size(), []
+    for kind, nbytes in calls:
+        whole = torch.zeros(max(world, nbytes // FLOAT_BYTES // world * world))
+        if kind == "all_gather":
+            shard = torch.zeros(whole.numel() // world)
+            work.append(lambda whole=whole, shard=shard:
+                        dist.all_gather_single(whole, shard))
+        elif kind == "broadcast":
+            work.append(lambda whole=whole: dist.broadcast(whole, src=0))
+        elif kind == "reduce_scatter":
+            shard = torch.zeros(whole.numel() // world)
+            work.append(lambda whole=whole, shard=shard:
+                        dist.reduce_scatter_single(shard, whole))
+        else:
+            work.append(lambda whole=whole: dist.all_reduce(whole))
+    times = []
+    for repeat in range(repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        for call in work:
+            call()
+        if repeat:  # the first run is a warm-up
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 # How much each collective moves, in elements of its tensors, counted as the ZeRO paper
@@ -164,19 +251,23 @@ def collectives_volume(entries: list[dict]) -> dict:
 
 
 def rank_memory(strategy: str, checkpointing: bool = False, steps: int = 3,
-                width: int = 512, blocks: int = 4, batch: int = 256) -> dict:
+                width: int = 512, blocks: int = 4, batch: int = 256,
+                time_traffic: bool = False) -> dict:
     """Inside a rank: train :func:`feed_forward_blocks` for ``steps`` Adam steps under
     ``strategy`` (its own random batch per rank), profiling the last step's memory.
-    Returns the parameter count, this rank's bytes after the last step, the most bytes
-    allocated on top of them in each phase of it, the collectives it ran (from the
-    flight recorder) and the full weights (to compare strategies)."""
+    Returns the parameter count; the bytes of the storages behind each kind of state
+    after the last step (:func:`held_by_kind`, ``"stored"``); the most bytes allocated
+    on top of them in each phase of that step; the collectives it ran (from the flight
+    recorder) as volumes and as ``(collective, bytes)`` calls, with
+    :func:`traffic_seconds` of those calls and chapter 03's all-reduce model fitted on
+    this machine (``"alpha, bandwidth"``) if ``time_traffic``; the time of the step
+    before the profiled one; and the full weights (to compare strategies)."""
+    import time
+
     from torch.profiler import ProfilerActivity, profile, record_function
 
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    model = feed_forward_blocks(width, blocks)
-    parameters = sum(p.numel() for p in model.parameters())
-    wrapped, optimizer = _wrap(strategy, model, checkpointing)
     generator = torch.Generator().manual_seed(100 + rank())
     batches = [torch.randn(batch, width, generator=generator) for _ in range(steps)]
 
@@ -189,26 +280,34 @@ def rank_memory(strategy: str, checkpointing: bool = False, steps: int = 3,
         with record_function("optimizer step"):
             optimizer.step()
 
+    model = feed_forward_blocks(width, blocks)
+    parameters = sum(p.numel() for p in model.parameters())
+    wrapped, optimizer = _wrap(strategy, model, checkpointing)
+    buckets = {} if strategy.startswith("FSDP2") else record_bucket_buffers(wrapped)
     for x in batches[:-1]:
+        dist.barrier()
+        start = time.perf_counter()
         step(x)
+        seconds = time.perf_counter() - start  # the last step before the profiled one
     recorded = len(collectives_so_far())
     with native_stderr_silenced():  # the profiler logs start and stop
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recording:
             step(batches[-1])
-    extra = _extra_at_peak(recording)
-    communication = collectives_volume(collectives_so_far()[recorded:])
+    entries = collectives_so_far()[recorded:]
     params = list(wrapped.parameters())
-    stored = {"parameters": _local_bytes(params),
-              "gradients": _local_bytes([p.grad for p in params]),
-              "optimizer state": _local_bytes(
-                  [t for state in getattr(optimizer, "optim", optimizer).state.values()
-                   for t in state.values() if t.dim() > 0]),
-              "bucket buffers": (0 if strategy.startswith("FSDP2")
-                                 or strategy == "DDP, bucket views"
-                                 else _bucket_bytes(wrapped))}
     weights = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in params]
+    result = {"parameter count": parameters,
+              "stored": held_by_kind(params, optimizer, buckets),
+              "extra at peak": _extra_at_peak(recording),
+              "collectives": collectives_volume(entries), "calls": step_calls(entries),
+              "step seconds": seconds,
+              "weights": weights, "block bytes": parameters * FLOAT_BYTES // blocks,
+              "hidden activation bytes": batch * 4 * width * FLOAT_BYTES}
+    if time_traffic:  # the calls timed alone, and chapter 03's model fitted here
+        from .collectives import allreduce_seconds, fit
+
+        result["traffic seconds"] = traffic_seconds(result["calls"])
+        sizes = (2**12, 2**16, 2**20, 2**24)
+        result["alpha, bandwidth"] = fit(sizes, allreduce_seconds(sizes), world_size())
     dist.barrier()
-    return {"parameter count": parameters, "stored": stored, "extra at peak": extra,
-            "collectives": communication,
-            "weights": weights, "block bytes": parameters * FLOAT_BYTES // blocks,
-            "hidden activation bytes": batch * 4 * width * FLOAT_BYTES}
+    return result
