@@ -22,11 +22,30 @@ BASE, CONTROL = ablation.BASELINE, ablation.CONTROL
 def test_each_variant_switches_exactly_one_optimisation_off():
     variants = ablation.variants()
     assert variants.pop(BASE) == variants.pop(CONTROL) == ablation.TUNED  # the A/A pair
-    assert len(variants) == len(ablation.SWITCHED_OFF) == 8
+    assert len(variants) == len(ablation.SWITCHED_OFF) == 5
     for name, options in variants.items():
         changed = [field for field in ablation.TUNED.__dataclass_fields__
                    if getattr(options, field) != getattr(ablation.TUNED, field)]
         assert len(changed) == 1, name
+
+
+def test_the_ddp_options_are_timed_without_accumulation_one_switched_off_at_a_time():
+    # with accumulation x4 the quick run's timed epoch holds one all-reduce: options that
+    # act on each all-reduce are left out of variants() and timed here at accumulate=1
+    assert not {f"without {name}" for name in ablation.DDP_OPTIONS_OFF} & set(ablation.variants())
+    variants = ablation.ddp_option_variants()
+    tuned = replace(ablation.TUNED, accumulate=1)
+    assert variants.pop(BASE) == variants.pop(CONTROL) == tuned
+    assert len(variants) == len(ablation.DDP_OPTIONS_OFF) == 3
+    for name, options in variants.items():
+        changed = [field for field in tuned.__dataclass_fields__
+                   if getattr(options, field) != getattr(tuned, field)]
+        assert len(changed) == 1 and options.accumulate == 1, name
+
+
+def test_measure_needs_the_aa_pair_among_the_options():
+    with pytest.raises(ValueError, match="A/A pair"):
+        ablation.measure(options={BASE: ablation.TUNED, "other": ablation.TUNED})
 
 
 def test_the_control_runs_half_a_round_after_the_baseline():
@@ -36,7 +55,7 @@ def test_the_control_runs_half_a_round_after_the_baseline():
 
 def test_the_tuned_run_keeps_ddp_default_buckets_and_the_variant_uses_one_big_one():
     assert ablation.TUNED.bucket_cap_mb == 25 == TrainingOptions().bucket_cap_mb
-    big = ablation.variants()["without overlap (one 100 MB bucket)"]
+    big = ablation.ddp_option_variants()["without overlap (one 100 MB bucket)"]
     # larger than all the seed CNN's gradients (32.2 MiB): a single bucket
     assert big.bucket_cap_mb * 2**20 > 8_432_970 * 4
 
@@ -300,6 +319,79 @@ def test_plot_marks_every_variant_and_shades_the_band():
               "ranks": 2, "batch_size": 32, "rounds": 2}
     ax = ablation.plot(result)
     bars = [p for p in ax.patches if p.get_height() == pytest.approx(0.6)]
-    assert len(bars) == len(rows) == 10
+    assert len(bars) == len(rows) == 7
     assert len(ax.patches) == len(rows) + 1  # the bars and the shaded band
     assert "A/A noise band" in ax.get_legend().get_texts()[0].get_text()
+
+
+# --- exact resume: checkpoints compared bitwise ---------------------------------------
+
+def test_checkpoint_differences_compares_every_part_bitwise():
+    import torch
+
+    state = {"model": {"w": torch.tensor([1.0, 0.0])}, "epoch": 2, "rng": [
+        {"torch": torch.tensor([1, 2], dtype=torch.uint8), "python": (3, (1, 2, 3), None)}]}
+    same = {"model": {"w": torch.tensor([1.0, 0.0])}, "epoch": 2, "rng": [
+        {"torch": torch.tensor([1, 2], dtype=torch.uint8), "python": (3, (1, 2, 3), None)}]}
+    assert ablation.checkpoint_differences(state, same) == []
+    same["model"]["w"] = torch.tensor([1.0, -0.0])  # equal values, other bits
+    same["epoch"] = 3
+    same["rng"][0]["python"] = (3, (1, 2, 4), None)
+    assert ablation.checkpoint_differences(state, same) == [
+        "/model/w", "/epoch", "/rng/0/python/1"]
+    assert ablation.checkpoint_differences(state, same, ignore=("/rng/*/python", "/model/*",
+                                                                 "/epoch")) == []
+    assert ablation.checkpoint_differences({"a": torch.zeros(2)},
+                                           {"a": torch.zeros(2, dtype=torch.float64)}) == ["/a"]
+    assert ablation.checkpoint_differences({"a": 1}, {"b": 1}) == ["/: keys ['a', 'b']"]
+    nan = torch.tensor([float("nan")])
+    assert ablation.checkpoint_differences(nan, nan.clone()) == []
+
+
+def resume_badly(run, broken):
+    """Inside a rank: chapter 05's run resumed with one part of its state not restored."""
+    import torch
+    from torch.utils.data import DistributedSampler
+
+    from mgpu_helpers.recipe import train_digits
+
+    if broken == "sampler epoch":  # set_epoch forgotten: the resumed epoch repeats epoch 0
+        original = DistributedSampler.set_epoch
+        DistributedSampler.set_epoch = lambda self, epoch: original(self, 0)
+    elif broken == "rng":  # the per-epoch seed skipped: draws go on from the start's seed
+        seed, calls = torch.manual_seed, []
+        torch.manual_seed = lambda value: (calls.append(value), seed(value) if len(calls) == 1
+                                           else torch.default_generator)[1]
+    elif broken == "lr schedule":  # the scheduler starts over at step 0
+        torch.optim.lr_scheduler.LambdaLR.load_state_dict = lambda self, state: None
+    return train_digits(run)
+
+
+@pytest.mark.slow
+def test_a_resume_that_forgets_part_of_the_state_differs_from_the_uninterrupted_run(tmp_path):
+    """Chapter 08 compares the resumed run's last checkpoint with an uninterrupted run's;
+    that comparison must catch a resume that restores too little."""
+    import shutil
+
+    import torch
+
+    from mgpu_helpers.recipe import DigitsRun, train_digits
+
+    quick = {"epochs": 2, "limit": 64, "global_batch": 32, "progress": False,
+             "verbose": False, "evaluate_every_epoch": False}
+    ignore = ("/rng/*/python", "/rng/*/numpy")  # as in chapter 08
+    launch(train_digits, DigitsRun(**quick, checkpoint=tmp_path / "straight.pt"), nprocs=2)
+    launch(train_digits, DigitsRun(**quick, checkpoint=tmp_path / "epoch1.pt", stop_after=1),
+           nprocs=2)
+    straight = torch.load(tmp_path / "straight.pt", weights_only=True)
+    found = {}
+    for broken in (None, "sampler epoch", "rng", "lr schedule"):
+        path = tmp_path / f"resumed-{broken}.pt"
+        shutil.copy(tmp_path / "epoch1.pt", path)
+        launch(resume_badly, DigitsRun(**quick, checkpoint=path), broken, nprocs=2)
+        found[broken] = ablation.checkpoint_differences(
+            torch.load(path, weights_only=True), straight, ignore=ignore)
+    assert found[None] == []  # restored completely: bitwise the uninterrupted run
+    assert "/model/fc1.weight" in found["sampler epoch"]
+    assert {"/model/fc1.weight", "/rng/0/torch", "/rng/1/torch"} <= set(found["rng"])
+    assert {"/model/fc1.weight", "/extra/scheduler/last_epoch"} <= set(found["lr schedule"])

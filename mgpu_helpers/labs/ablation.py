@@ -26,6 +26,9 @@ How a shared, drifting machine is kept from deciding the verdicts:
   band in every round, and "within noise" otherwise: inside the band in some round, or
   on different sides in different rounds.
 
+Not ablated, for the reasons given under :data:`SWITCHED_OFF`: the overlap of DDP's
+buckets, ``gradient_as_bucket_view`` and ``static_graph`` (all three stay on in "all on").
+
 What "without gradient accumulation" compares: every variant keeps the micro-batch
 (``batch_size`` per rank and forward pass), so "all on", which accumulates 4
 micro-batches per optimizer step, trains with a 4 times larger global batch and takes a
@@ -38,6 +41,7 @@ memory workaround (and a changed global batch needs its learning rate tuned agai
 
 from __future__ import annotations
 
+import fnmatch
 import gc
 import math
 import random
@@ -76,12 +80,22 @@ SWITCHED_OFF = {
     "channels_last": ({"channels_last": False},
                       "pays mostly on GPUs (tensor cores want NHWC); on CPUs it depends on "
                       "the convolution kernels"),
+    "gradient accumulation x4": ({"accumulate": 1}, None),
+}
+# Not in variants(): the overlap of DDP's buckets, gradient_as_bucket_view and
+# static_graph act once per all-reduce or per optimizer step, and "all on" accumulates 4
+# batches per step: chapter 08's quick run (3 batches per rank) times a single
+# all-reduce, make bench's (12 batches) three. ddp_option_variants() times them without
+# accumulation instead (`python benchmarks/ablation.py --ddp-options`); on the 2-core
+# machine none came out of the A/A band: gloo's all-reduce runs on the same 2 cores as
+# the backward it would overlap, and the copy that gradient_as_bucket_view saves (32 MiB
+# per step) and static_graph's bookkeeping are small against a step.
+DDP_OPTIONS_OFF = {
     # one bucket is only ready when the whole backward has finished: its all-reduce
     # cannot overlap any of the backward
-    "overlap (one 100 MB bucket)": ({"bucket_cap_mb": 100}, None),
-    "gradient_as_bucket_view": ({"gradient_as_bucket_view": False}, None),
-    "static_graph": ({"static_graph": False}, None),
-    "gradient accumulation x4": ({"accumulate": 1}, None),
+    "overlap (one 100 MB bucket)": {"bucket_cap_mb": 100},
+    "gradient_as_bucket_view": {"gradient_as_bucket_view": False},
+    "static_graph": {"static_graph": False},
 }
 
 
@@ -95,6 +109,19 @@ def variants() -> dict[str, TrainingOptions]:
     half = len(names) // 2
     return ({BASELINE: TUNED} | {name: off[name] for name in names[:half]}
             | {CONTROL: TUNED} | {name: off[name] for name in names[half:]})
+
+
+def ddp_option_variants() -> dict[str, TrainingOptions]:
+    """"All on" without accumulation (one all-reduce per batch), its A/A control, and one
+    variant per DDP option of :data:`DDP_OPTIONS_OFF` switched off, in the order of
+    :func:`variants`."""
+    tuned = replace(TUNED, accumulate=1)
+    off = {f"without {name}": replace(tuned, **change)
+           for name, change in DDP_OPTIONS_OFF.items()}
+    names = list(off)
+    half = len(names) // 2
+    return ({BASELINE: tuned} | {name: off[name] for name in names[:half]}
+            | {CONTROL: tuned} | {name: off[name] for name in names[half:]})
 
 
 def round_order(names: list[str], round_index: int, rounds: int) -> list[str]:
@@ -200,14 +227,16 @@ def _timed_round(options: list[TrainingOptions], per_rank_samples: int, batch_si
 
 def measure(per_rank_samples: int = 256, batch_size: int = 32, rounds: int = 3,
             warmup_batches: int = 4, nprocs: int = 2, backend: str = "gloo",
-            progress=None) -> dict:
+            progress=None, options: dict[str, TrainingOptions] | None = None) -> dict:
     """Throughput of every variant over ``rounds`` interleaved rounds, and the verdicts.
 
     Each round is one launch of ``nprocs`` ranks that runs every variant once, in
     :func:`round_order`. ``progress(round_index, order, rates)`` is called after each
-    round. Returns ``{"rows": [{"variant", "options", "runs", "ratios", "samples_per_s",
-    "relative_to_tuned", "verdict", "gpu_only"}], "band": {"half_width_log", "low",
-    "high"}, "orders": [...], "rounds", "per_rank_samples", "batch_size", "ranks"}``.
+    round. ``options`` (default :func:`variants`) names what is measured; it must hold
+    :data:`BASELINE` and :data:`CONTROL`. Returns ``{"rows": [{"variant", "options",
+    "runs", "ratios", "samples_per_s", "relative_to_tuned", "verdict", "gpu_only"}],
+    "band": {"half_width_log", "low", "high"}, "orders": [...], "rounds",
+    "per_rank_samples", "batch_size", "ranks"}``.
     """
     if rounds < 2:
         raise ValueError(f"rounds must be >= 2 (the A/A noise band needs two), got {rounds}")
@@ -215,7 +244,9 @@ def measure(per_rank_samples: int = 256, batch_size: int = 32, rounds: int = 3,
         raise ValueError(f"the warm-up ({warmup_batches} x {batch_size}) must fit in the "
                          f"{per_rank_samples} samples per rank")
     prepare_digits(progress=False)  # once, here: the ranks inherit it instead of each round
-    options = variants()
+    options = variants() if options is None else options
+    if not {BASELINE, CONTROL} <= options.keys():
+        raise ValueError(f"options must hold {BASELINE!r} and {CONTROL!r} (the A/A pair)")
     names = list(options)
     runs = {name: [] for name in names}
     orders = []
@@ -351,3 +382,43 @@ def profile_phases(events, steps: int, on_gpu: bool,
         total = sum(e.cpu_time_total for e in events if e.key == GLOO_ALL_REDUCE)
     phases["all-reduce"] = total / 1e3 / steps
     return phases
+
+
+# ------------------------------------------------------------------ exact resume
+
+def checkpoint_differences(a, b, ignore: tuple[str, ...] = (), where: str = "") -> list[str]:
+    """Where two checkpoints (as ``torch.load`` returns them) differ, bitwise: a list of
+    paths such as ``"/model/fc1.weight"`` or ``"/rng/1/torch"``, empty when they are equal.
+
+    Dicts must have the same keys, lists and tuples the same length, tensors the same
+    dtype, shape and bytes (so ``-0.0`` differs from ``0.0`` and a NaN equals itself),
+    anything else must compare equal with ``==``. A list or tuple of plain values (such as
+    Python's random state) is reported once, by its own path. Paths matching one of
+    ``ignore`` (``fnmatch`` patterns, e.g. ``"/rng/*/python"``) are skipped.
+
+    Chapter 08 compares the last checkpoint of a run that was stopped and resumed with an
+    uninterrupted run's: weights, optimizer state, LR schedule, epoch, sampler epoch and
+    every rank's random-number states.
+    """
+    import torch
+
+    if any(fnmatch.fnmatchcase(where, pattern) for pattern in ignore):
+        return []
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{where or '/'}: keys {sorted(map(str, a.keys() ^ b.keys()))}"]
+        return [found for key in a
+                for found in checkpoint_differences(a[key], b[key], ignore, f"{where}/{key}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where}: length {len(a)} != {len(b)}"]
+        found = [inner for index, (x, y) in enumerate(zip(a, b, strict=True))
+                 for inner in checkpoint_differences(x, y, ignore, f"{where}/{index}")]
+        plain = not any(isinstance(x, (dict, list, tuple, torch.Tensor)) for x in a)
+        return [where] if found and plain else found
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        same = (a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.detach().cpu().reshape(-1).contiguous().view(torch.uint8),
+                                b.detach().cpu().reshape(-1).contiguous().view(torch.uint8)))
+        return [] if same else [where]
+    return [] if type(a) is type(b) and a == b else [where]
