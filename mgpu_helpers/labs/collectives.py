@@ -97,9 +97,10 @@ def _timings(work, repeats: int, calls: int = 1) -> list[float]:
     return times
 
 
-def _collective_call(collective: str, nbytes: int):
+def collective_call(collective: str, nbytes: int):
     """One call of ``collective`` on a float32 tensor of ``nbytes`` (whole tensor), on
-    the rank's device: the flat forms FSDP uses for the two halves."""
+    the rank's device: the flat forms FSDP uses for the two halves (chapter 07 also
+    times its steps' broadcasts with it)."""
     world = dist.get_world_size()
     elements = max(world, nbytes // 4 // world * world)  # a multiple of N, as FSDP pads
     whole = torch.ones(elements, device=device())
@@ -110,7 +111,10 @@ def _collective_call(collective: str, nbytes: int):
         return lambda: dist.all_gather_single(whole, shard)
     if collective == "reduce_scatter":
         return lambda: dist.reduce_scatter_single(shard, whole)
-    raise ValueError(f"unknown collective {collective!r}: use one of {', '.join(PHASES)}")
+    if collective == "broadcast":
+        return lambda: dist.broadcast(whole, src=0)
+    raise ValueError(f"unknown collective {collective!r}: use one of "
+                     f"{', '.join(PHASES)} or broadcast")
 
 
 def collective_seconds(collective: str = "all_reduce", sizes=SIZES,
@@ -122,7 +126,7 @@ def collective_seconds(collective: str = "all_reduce", sizes=SIZES,
     divides."""
     medians, fastest = [], []
     for nbytes in sizes:
-        call = _collective_call(collective, nbytes)
+        call = collective_call(collective, nbytes)
         call()  # warm-up: connections, buffers
         times = _timings(call, repeats, max(1, min(16, 2 ** 24 // nbytes)))
         medians.append(statistics.median(times))

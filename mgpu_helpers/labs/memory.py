@@ -30,6 +30,7 @@ from torch import nn
 from ..flight_recorder import collectives_so_far
 from ..private_apis import is_allocation, profiler_event_tree
 from ..ranks import rank, world_size
+from .collectives import collective_call
 from .native_stderr import native_stderr_silenced
 
 STRATEGIES = ("DDP", "DDP, bucket views", "ZeRO-1", "FSDP2, keep after forward", "FSDP2")
@@ -204,21 +205,7 @@ def traffic_seconds(calls: list[tuple[str, int]], repeats: int = 5) -> float:
     import statistics
     import time
 
-    world, work = world_size(), []
-    for kind, nbytes in calls:
-        whole = torch.zeros(max(world, nbytes // FLOAT_BYTES // world * world))
-        if kind == "all_gather":
-            shard = torch.zeros(whole.numel() // world)
-            work.append(lambda whole=whole, shard=shard:
-                        dist.all_gather_single(whole, shard))
-        elif kind == "broadcast":
-            work.append(lambda whole=whole: dist.broadcast(whole, src=0))
-        elif kind == "reduce_scatter":
-            shard = torch.zeros(whole.numel() // world)
-            work.append(lambda whole=whole, shard=shard:
-                        dist.reduce_scatter_single(shard, whole))
-        else:
-            work.append(lambda whole=whole: dist.all_reduce(whole))
+    work = [collective_call(kind, nbytes) for kind, nbytes in calls]
     times = []
     for repeat in range(repeats + 1):
         dist.barrier()
