@@ -9,7 +9,9 @@ PINS := requirements/constraints.txt
 # Free disk that creating .venv needs, in GB (it takes about 6.2 installed).
 VENV_GB ?= 7
 WITH_NB_ENV := tests/with_notebook_env.sh
-NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
+# The chapters, then the appendices (runnable and tested like the chapters).
+NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb)) \
+  $(sort $(wildcard notebooks/appendix_*.ipynb))
 LANDING := notebooks/start_here.ipynb
 NBVAL_FLAGS := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 LAB_PORT ?= 8888

@@ -175,7 +175,10 @@ def file_sites(path: Path) -> list[LaunchSite]:
 
 
 def chapter_paths() -> list[Path]:
-    return sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    """The chapters and the appendices: every notebook the tests run."""
+    notebooks = ROOT / "notebooks"
+    return [*sorted(notebooks.glob("[0-9][0-9]_*.ipynb")),
+            *sorted(notebooks.glob("appendix_*.ipynb"))]
 
 
 def code_paths() -> list[Path]:

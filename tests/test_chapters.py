@@ -165,6 +165,17 @@ def test_landing_page_maps_chapters_and_shows_the_report(tmp_path):
     assert not list(tmp_path.glob(".*.tmp")), "the page is written atomically"
 
 
+def test_landing_page_links_the_appendices_and_refuses_an_untitled_one(tmp_path):
+    write_chapter(tmp_path / "00_a.ipynb", "# 00 · Alpha", [], summary="learn a")
+    write_chapter(tmp_path / "appendix_tips.ipynb", "# Appendix · Field tips", [])
+    text = chapters.write_landing(tmp_path, tmp_path / chapters.LANDING_NAME,
+                                  report_text="r").read_text()
+    assert "Appendix: [Field tips](appendix_tips.ipynb)" in text
+    write_chapter(tmp_path / "appendix_zz.ipynb", "Tips", [])
+    with pytest.raises(ValueError, match="appendix_zz.ipynb: the first cell must start"):
+        chapters.write_landing(tmp_path, tmp_path / chapters.LANDING_NAME, report_text="r")
+
+
 def test_landing_page_counts_the_exercises_passed_per_chapter(tmp_path):
     write_chapter(tmp_path / "00_a.ipynb", "# 00 · Alpha", [], summary="learn a")
     write_chapter(tmp_path / "01_b.ipynb", "# 01 · Beta", [], summary="learn b")
@@ -247,7 +258,8 @@ def test_readme_states_each_chapters_gpu_path_as_recorded():
             f"GPU check says {chapters.gpu_status(chapter)!r}")
 
 
-@pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")),
+@pytest.mark.parametrize("path", [*sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")),
+                                  *sorted(NOTEBOOKS.glob("appendix_*.ipynb"))],
                          ids=lambda p: p.stem)
 def test_every_code_cell_is_plain_python_as_gpu_check_runs_it(path):
     # `make gpu-check` (tools/gpu_check.py) executes each code cell with exec(), outside

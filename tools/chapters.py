@@ -53,6 +53,21 @@ class Chapter:
         return self.path.name
 
 
+def appendices(notebooks_dir: Path) -> list[tuple[str, str]]:
+    """``(title, file name)`` of each appendix notebook (``appendix_*.ipynb``, headed
+    ``# Appendix · Title``), in name order: runnable digressions linked from the chapters."""
+    found = []
+    for path in sorted(Path(notebooks_dir).glob("appendix_*.ipynb")):
+        cells = json.loads(path.read_text()).get("cells", [])
+        first = "".join(cells[0]["source"]) if cells else ""
+        heading = re.search(r"^#\s+Appendix\s+·\s+(.+)$", first, re.MULTILINE)
+        if heading is None:
+            raise ValueError(f"{path}: the first cell must start with a heading "
+                             "'# Appendix · Title'")
+        found.append((heading.group(1).strip(), path.name))
+    return found
+
+
 def chapter_paths(notebooks_dir: Path) -> list[Path]:
     """The chapter notebooks (``NN_name.ipynb``) in reading order."""
     return sorted(p for p in Path(notebooks_dir).iterdir() if CHAPTER_PATTERN.match(p.name))
@@ -325,7 +340,8 @@ def exercise_table(chapters: list[Chapter], progress: dict[str, tuple[int, int]]
 
 
 def landing_notebook(chapters: list[Chapter], report_text: str, measured_on: str,
-                     progress: dict[str, tuple[int, int]] | None = None) -> dict:
+                     progress: dict[str, tuple[int, int]] | None = None,
+                     appendix_links: list[tuple[str, str]] = ()) -> dict:
     """The landing page: how to read the workbook, the chapter map, the environment report.
 
     The report is stored as the output of a code cell that recomputes it, so the page
@@ -359,7 +375,9 @@ def landing_notebook(chapters: list[Chapter], report_text: str, measured_on: str
                      "language_info": {"name": "python"}},
         "cells": [
             markdown("intro", intro),
-            markdown("chapters", "## Chapters\n\n" + chapter_map(chapters)),
+            markdown("chapters", "## Chapters\n\n" + chapter_map(chapters)
+                     + "".join(f"\n\nAppendix: [{title}]({name})"
+                               for title, name in appendix_links)),
             markdown("exercises", "## Exercises\n\nEach chapter ends with exercises that "
                      "the chapter checks on this machine (on real ranks where they are "
                      "distributed). Your progress, as `make lab` found it "
@@ -389,7 +407,8 @@ def write_landing(notebooks_dir: Path, out_path: Path, report_text: str | None =
     chapters = read_chapters(notebooks_dir)
     machines = sorted({c.run_time_machine for c in chapters if c.run_time_machine})
     measured_on = " and ".join(machines) if machines else "this machine, once you run it"
-    notebook = landing_notebook(chapters, report_text, measured_on, progress)
+    notebook = landing_notebook(chapters, report_text, measured_on, progress,
+                                appendices(notebooks_dir))
     out_path = Path(out_path)
     temporary = out_path.with_name(f".{out_path.name}.tmp")
     temporary.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")

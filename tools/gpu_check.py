@@ -273,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
 
     chapters = args.chapters
     if chapters is None:
-        chapters = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+        chapters = [*sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")),
+                    *sorted((ROOT / "notebooks").glob("appendix_*.ipynb"))]
     chapters = [p.resolve() for p in chapters]
     absent = [str(p) for p in chapters if not p.is_file()]
     if absent:
