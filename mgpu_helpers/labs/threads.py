@@ -1,14 +1,15 @@
 """Chapter 04's GIL measurement: does a second Python thread speed up a forward pass?
 
 ``DataParallel`` runs its replicas on Python threads of one process. A thread holds the
-GIL while it runs Python (module calls, hooks, autograd bookkeeping) and releases it
-inside PyTorch's kernels, so a second thread helps in proportion to the time spent in
-kernels: a lot for big convolutions, nothing (or less than nothing) for many tiny layers.
+GIL while it runs Python (module calls, hooks) and each PyTorch operation releases it
+while it computes, so a second thread helps in proportion to the time spent inside the
+operations: a lot for big convolutions, nothing (or less than nothing) for many tiny layers.
 
 :func:`measure` times both kinds of network with 1 and 2 threads, taking turns round
 after round so that a drifting machine slows every case alike, and reports each case's
-median speed-up. ``benchmarks/gil_threads.py`` stores its result, which chapter 04 checks;
-the chapter's own live timings depend on what else the machine runs at that moment.
+median speed-up. ``benchmarks/gil_threads.py`` stores its result, which chapter 04 prints
+and ``tests/test_threads_lab.py`` checks; the chapter's own live timings depend on what
+else the machine runs at that moment.
 """
 
 from __future__ import annotations
@@ -34,11 +35,14 @@ def cases(batch_size: int = 64) -> dict[str, tuple[nn.Module, torch.Tensor]]:
     matter for the timing, so the weights keep their default random initialisation)."""
     generator = torch.Generator().manual_seed(0)
     return {
-        f"seed CNN, batch {batch_size}": (SeedCNN().eval(),
-                                          torch.randn(batch_size, 3, 32, 32,
-                                                      generator=generator)),
-        f"tiny MLP, batch {batch_size}": (tiny_mlp().eval(),
-                                          torch.randn(batch_size, 32, generator=generator)),
+        f"seed CNN, batch {batch_size}": (
+            SeedCNN().eval(),
+            torch.randn(batch_size, 3, 32, 32, generator=generator),
+        ),
+        f"tiny MLP, batch {batch_size}": (
+            tiny_mlp().eval(),
+            torch.randn(batch_size, 32, generator=generator),
+        ),
     }
 
 
@@ -74,8 +78,9 @@ def threaded_forward(net: nn.Module, inputs: torch.Tensor, n_threads: int) -> to
     return torch.cat(outputs)
 
 
-def forward_seconds(net: nn.Module, inputs: torch.Tensor, n_threads: int,
-                    repeats: int = 7) -> float:
+def forward_seconds(
+    net: nn.Module, inputs: torch.Tensor, n_threads: int, repeats: int = 7
+) -> float:
     """Median wall time of one threaded forward pass (no autograd: every thread runs under
     the caller's ``torch.no_grad()``), after one warm-up."""
     times = []
@@ -87,8 +92,12 @@ def forward_seconds(net: nn.Module, inputs: torch.Tensor, n_threads: int,
     return statistics.median(times[1:])
 
 
-def measure(rounds: int = 5, repeats: int = 7, batch_size: int = 64,
-            progress: Callable[[int, str, float], None] | None = None) -> dict:
+def measure(
+    rounds: int = 5,
+    repeats: int = 7,
+    batch_size: int = 64,
+    progress: Callable[[int, str, float], None] | None = None,
+) -> dict:
     """Each case's 1-thread and 2-thread forward times, ``rounds`` times in turn; per case
     the median over the rounds of (1-thread time / 2-thread time), and every round's."""
     if min(rounds, repeats, batch_size) < 1:
@@ -105,11 +114,17 @@ def measure(rounds: int = 5, repeats: int = 7, batch_size: int = 64,
             if progress is not None:
                 progress(round_index, name, one / two)
     return {
-        "rounds": rounds, "repeats": repeats, "batch_size": batch_size,
-        "cases": [{"case": name,
-                   "one_thread_s": statistics.median(seconds[name][1]),
-                   "two_threads_s": statistics.median(seconds[name][2]),
-                   "speedups": speedups[name],
-                   "speedup": statistics.median(speedups[name])}
-                  for name in networks],
+        "rounds": rounds,
+        "repeats": repeats,
+        "batch_size": batch_size,
+        "cases": [
+            {
+                "case": name,
+                "one_thread_s": statistics.median(seconds[name][1]),
+                "two_threads_s": statistics.median(seconds[name][2]),
+                "speedups": speedups[name],
+                "speedup": statistics.median(speedups[name]),
+            }
+            for name in networks
+        ],
     }
