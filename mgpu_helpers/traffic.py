@@ -1,33 +1,227 @@
 """What a rank really sends, counted where every point-to-point message passes.
 
 ``dist.send``, ``dist.isend`` and ``batch_isend_irecv``'s ``P2POp`` all end in
-``ProcessGroup.send``; :func:`sends_counted` wraps that method while a block runs, so the
-count does not depend on the code under test counting its own messages. (A caller can
-still reach a backend's ``send`` below the process group, or talk through the TCPStore;
-the exercise checkers refuse those separately.)
+``ProcessGroup.send``; a backend's own ``send`` (``ProcessGroupGloo.send``, reached with
+``group._get_backend(device)``) sits below it. :func:`sends_counted` wraps both while a
+block runs, so the count does not depend on the code under test counting its own messages.
+
+A Python-level count can still be bypassed (a reference to the unwrapped method taken
+earlier, a message through the TCPStore, a socket of one's own). :func:`traffic_measured`
+adds what the kernel counts: the bytes written on each of this process's TCP sockets
+(``getsockopt(TCP_INFO)``, Linux only), split into the store's sockets (those whose peer
+port is ``MASTER_PORT``, the rendezvous store the launcher starts) and the backend's
+peer sockets; and the calls of any ``Store`` method, or of a new ``TCPStore`` or
+``FileStore``. (A socket opened and closed again inside the block leaves no count in the
+kernel; the Python-level counts see how it was reached.) Off Linux (or on a kernel older than
+4.19) the kernel's count is ``None`` and only the Python-level counts remain.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import os
+import socket
+import struct
+import sys
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
+
+# Store methods that move data (set_timeout, timeout, clone... do not), and the stores a
+# process can reach other processes with (a new one: a connection or a file of its own)
+_STORE_METHODS = ("add", "append", "check", "compare_set", "delete_key", "get", "list_keys",
+                  "multi_get", "multi_set", "num_keys", "queue_len", "queue_pop", "queue_push",
+                  "set", "wait")
+_SHARED_STORES = ("TCPStore", "FileStore")
+
+
+def _owner(cls: type, name: str) -> type | None:
+    """The class in ``cls``'s MRO that defines ``name`` (where a wrapper must go)."""
+    return next((klass for klass in cls.__mro__ if name in vars(klass)), None)
+
+
+def _send_owners() -> list[type]:
+    """The classes whose ``send`` a Python caller reaches: the process group, and the
+    backends' base class (gloo's, and NCCL's where this build has it)."""
+    owners = [dist.ProcessGroup]
+    for name in ("ProcessGroupGloo", "ProcessGroupNCCL"):
+        backend = getattr(dist, name, None)
+        owner = _owner(backend, "send") if backend is not None else None
+        if owner is not None and owner not in owners:
+            owners.append(owner)
+    return owners
+
+
+@contextmanager
+def _wrapped(owners: list[type], name: str, hook, first: bool = False):
+    """``owner.name`` replaced, while the block runs, by a function that calls the
+    original, then ``hook(args, kwargs)`` once it has returned (a message whose call
+    raised moved nothing); with ``first``, the hook runs before the call (any attempt
+    counts)."""
+    originals = {owner: vars(owner)[name] for owner in owners}
+
+    def wrapper_for(original):
+        def counting(this, *args, **kwargs):
+            if first:
+                hook(args, kwargs)
+            result = original(this, *args, **kwargs)
+            if not first:
+                hook(args, kwargs)
+            return result
+        return counting
+
+    for owner, original in originals.items():
+        setattr(owner, name, wrapper_for(original))
+    try:
+        yield
+    finally:
+        for owner, original in originals.items():
+            setattr(owner, name, original)
+
+
+def _message(args, kwargs, peer_name: str) -> tuple[int, int, int]:
+    """(peer, elements, bytes) of a ``send``/``recv`` call: ``(tensors, peer, tag)``."""
+    tensors = args[0] if args else kwargs.get("tensors", [])
+    peer = args[1] if len(args) > 1 else kwargs.get(peer_name, -1)
+    return (peer, sum(t.numel() for t in tensors),
+            sum(t.numel() * t.element_size() for t in tensors))
 
 
 @contextmanager
 def sends_counted():
     """Inside a rank: a list that receives ``(peer, bytes)`` for every message this rank
-    sends while the block runs (``peer`` is the rank in the group the message uses)."""
+    sends while the block runs (``peer`` is the rank in the group the message uses),
+    through a process group's ``send`` or a backend's."""
     sent: list[tuple[int, int]] = []
-    original = dist.ProcessGroup.send
-
-    def counting(group, tensors, *args, **kwargs):
-        peer = args[0] if args else kwargs.get("dstRank")
-        sent.append((peer, sum(t.numel() * t.element_size() for t in tensors)))
-        return original(group, tensors, *args, **kwargs)
-
-    dist.ProcessGroup.send = counting
-    try:
+    with _wrapped(_send_owners(), "send", lambda args, kwargs: sent.append(
+            _message(args, kwargs, "dstRank")[::2])):
         yield sent
-    finally:
-        dist.ProcessGroup.send = original
+
+
+# ------------------------------------------------------------ the kernel's count
+
+_TCP_INFO_BYTES_RECEIVED = 128  # offsets into Linux's struct tcp_info
+_TCP_INFO_NOTSENT_BYTES = 144
+_TCP_INFO_BYTES_SENT = 200      # with tcpi_bytes_retrans after it (Linux 4.19)
+_TCP_INFO_LENGTH = 216
+
+
+def _tcp_counts(sock: socket.socket) -> tuple[int, int] | None:
+    """(bytes the process wrote, bytes received) on a TCP socket, from the kernel.
+    Written: sent once (``tcpi_bytes_sent`` less retransmissions) plus not sent yet, so
+    the count is complete as soon as the write returns, acknowledged or not."""
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    if len(info) < _TCP_INFO_LENGTH:
+        return None
+    (received,) = struct.unpack_from("Q", info, _TCP_INFO_BYTES_RECEIVED)
+    (not_sent,) = struct.unpack_from("I", info, _TCP_INFO_NOTSENT_BYTES)
+    sent, retransmitted = struct.unpack_from("QQ", info, _TCP_INFO_BYTES_SENT)
+    return sent - retransmitted + not_sent, received
+
+
+def tcp_sockets() -> dict[str, tuple[str, int, int]] | None:
+    """Every TCP socket this process holds: its ``/proc`` name -> (kind, bytes written,
+    bytes received), kind "store" (a client of the rendezvous store: peer port
+    ``MASTER_PORT``), "server" (the store's own end, in the rank that hosts it: what
+    other ranks send it is theirs to count) or "peer". None where the kernel does not
+    say (not Linux, or a kernel before 4.19)."""
+    if not sys.platform.startswith("linux") or not hasattr(socket, "TCP_INFO"):
+        return None
+    store_port = int(os.environ.get("MASTER_PORT", "-1") or -1)
+    found: dict[str, tuple[str, int, int]] = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            name = os.readlink(f"/proc/self/fd/{fd}")
+            if not name.startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:  # closed in the meantime
+            continue
+        with sock:
+            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET,
+                                                                      socket.AF_INET6):
+                continue
+            try:
+                peer_port = sock.getpeername()[1]
+            except OSError:  # a listening socket: it carries nothing
+                continue
+            counts = _tcp_counts(sock)
+            if counts is None:
+                return None
+            kind = ("store" if peer_port == store_port else
+                    "server" if sock.getsockname()[1] == store_port else "peer")
+            found[name] = (kind, *counts)
+    return found
+
+
+@dataclass
+class KernelBytes:
+    """What the kernel counted on this process's TCP sockets while a block ran."""
+
+    peer_written: int = 0   # written on the backend's sockets that existed before
+    store: int = 0          # on a store client's socket, or a new one the store accepted
+    new_sockets: int = 0    # written or received on other sockets opened meanwhile
+
+
+def kernel_bytes_between(before: dict, after: dict) -> KernelBytes:
+    """The difference of two :func:`tcp_sockets` snapshots."""
+    counted = KernelBytes()
+    for name, (kind, written, received) in after.items():
+        old = before.get(name)
+        if old is not None and old[0] != kind:  # the number was reused for another socket
+            old = None
+        written -= old[1] if old else 0
+        received -= old[2] if old else 0
+        if kind == "store" or (kind == "server" and old is None):  # a new client's
+            counted.store += written + received
+        elif kind == "peer" and old is not None:
+            counted.peer_written += written
+        elif kind == "peer":
+            counted.new_sockets += written + received
+    return counted
+
+
+@dataclass
+class Traffic:
+    """What a rank did while :func:`traffic_measured` ran: its messages, as
+    ``(peer, elements, bytes)``, counted in Python at the process group and the backend;
+    the messages it received; the ``Store`` methods it called; what the kernel counted
+    (None where it does not say)."""
+
+    sent: list[tuple[int, int, int]] = field(default_factory=list)
+    received: list[tuple[int, int, int]] = field(default_factory=list)
+    store_calls: list[str] = field(default_factory=list)
+    kernel: KernelBytes | None = None
+
+
+@contextmanager
+def traffic_measured():
+    """Inside a rank: a :class:`Traffic` filled in while the block runs (the kernel's
+    count when it ends)."""
+    traffic = Traffic()
+    before = tcp_sockets()
+    owners = _send_owners()
+
+    def store_hook(method):
+        return lambda args, kwargs: traffic.store_calls.append(method)
+
+    with ExitStack() as wrappers:
+        wrappers.enter_context(_wrapped(owners, "send", lambda args, kwargs: traffic.sent.append(
+            _message(args, kwargs, "dstRank"))))
+        wrappers.enter_context(_wrapped(owners, "recv", lambda args, kwargs: traffic.received
+                                        .append(_message(args, kwargs, "srcRank"))))
+        wrappers.enter_context(_wrapped(owners, "recv_anysource", lambda args, kwargs: traffic
+                                        .received.append((-1, *_message(args, kwargs, "")[1:]))))
+        for method in _STORE_METHODS:
+            if method in vars(dist.Store):
+                wrappers.enter_context(_wrapped([dist.Store], method, store_hook(method),
+                                                first=True))
+        for name in _SHARED_STORES:
+            store = getattr(dist, name, None)
+            if store is not None and "__init__" in vars(store):
+                wrappers.enter_context(_wrapped([store], "__init__", store_hook(f"{name}(...)"),
+                                                first=True))
+        yield traffic
+        after = tcp_sockets()
+    if before is not None and after is not None:
+        traffic.kernel = kernel_bytes_between(before, after)

@@ -1,26 +1,42 @@
 """Chapter 03's exercises: collectives built from point-to-point messages.
 
-What a rank sends is counted where every point-to-point message goes through
-(:func:`mgpu_helpers.traffic.sends_counted`): gloo's flight recorder keeps the
-collectives only, no entry for a send or a receive. A ring sends to one neighbour only,
-and no more bytes than the ring's steps carry."""
+Each case draws its inputs afresh on every rank (whole numbers from ``os.urandom``: no
+code can know another rank's values without a message, and every order of adding them
+gives the same float sum); the expected result is reduced by the checker after the
+reader's function has returned, so no sum exists in a rank while it runs. What a rank
+sends is counted by :func:`mgpu_helpers.traffic.traffic_measured`: in Python, where every
+``send`` passes (the process group's and the backend's), for the per-peer rule and the
+ring's least and most traffic; and, on Linux, by the kernel on the process's sockets,
+which no call can bypass: bytes on the rendezvous store's sockets or on a socket opened
+during the call are refused, and the backend's sockets may carry no more than the
+counted messages and gloo's headers (gloo's flight recorder keeps the collectives only,
+no entry for a send or a receive). Off Linux the Python-level counts alone decide."""
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.distributed as dist
 
 from ..flight_recorder import collectives_so_far
-from ..traffic import sends_counted
+from ..traffic import traffic_measured
 from .core import Case, Exercise, as_number, beyond, count
 
+_INPUT_BOUND = 2 ** 20  # sums of 4 ranks stay below 2**24: exact in float32
+# gloo's headers per message, measured on the backend's sockets (PyTorch 2.14): 96 bytes
+# written per send (a send-ready notice and the data's header), 48 per receive (a
+# receive-ready notice); the allowance adds a third, and room for one stray notice
+_HEADER_PER_SEND, _HEADER_PER_RECEIVE, _HEADER_SLACK = 128, 64, 128
 
-def _rank_input(length: int) -> torch.Tensor:
-    # whole numbers: every order of adding them gives the same float sum
-    rank = dist.get_rank()
-    return torch.arange(length, dtype=torch.float32) % 7 + 10 * (rank + 1)
+
+def fresh_input(length: int) -> torch.Tensor:
+    """Whole numbers in [-2**20, 2**20], drawn from ``os.urandom`` in each rank for each
+    case: unpredictable to the code under test, exact however they are summed."""
+    generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
+    return torch.randint(-_INPUT_BOUND, _INPUT_BOUND + 1, (length,),
+                         generator=generator).float()
 
 
 def _collectives_since(before: int) -> list[str]:
@@ -30,80 +46,185 @@ def _collectives_since(before: int) -> list[str]:
                    if not entry.get("is_p2p", False)})
 
 
-def _traffic(sent: list, elements: int, phases: int, element_size: int) -> dict:
-    """What this rank sent, and the most a ring may send: ``phases`` rounds of N-1 steps,
-    each step one chunk of at most ceil(elements / N) elements, to one neighbour."""
+def ring_bounds(elements: int, world: int, phases: int) -> tuple[int, int]:
+    """The fewest and the most elements one rank of a correct ring sends, to its one
+    neighbour: in each phase every chunk but one, a different one in each phase (the
+    chunk a rank finishes reducing is not the one it receives last when gathering), each
+    chunk at most ceil(elements / world) long (``tensor_split``'s and ``chunk``'s)."""
+    largest = math.ceil(elements / world)
+    return (phases * elements - min(phases * largest, elements),
+            phases * (world - 1) * largest)
+
+
+def _summary(traffic, elements: int, phases: int, element_size: int) -> dict:
+    """What this rank sent (and how), with the ring's least and most, in elements."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    return {"bytes": sum(size for _, size in sent),
-            "peers": sorted({peer for peer, _ in sent}),
-            "budget": phases * (world - 1) * math.ceil(elements / world) * element_size,
-            "neighbours": ((rank + 1) % world, (rank - 1) % world)}
+    least, most = ring_bounds(elements, world, phases)
+    kernel = traffic.kernel
+    return {"elements": sum(message[1] for message in traffic.sent),
+            "bytes": sum(message[2] for message in traffic.sent),
+            "peers": sorted({message[0] for message in traffic.sent}),
+            "least": least, "budget": most, "element_size": element_size,
+            "neighbours": ((rank + 1) % world, (rank - 1) % world),
+            "store_calls": sorted(set(traffic.store_calls)),
+            "kernel": None if kernel is None else vars(kernel).copy(),
+            "allowance": (_HEADER_PER_SEND * len(traffic.sent)
+                          + _HEADER_PER_RECEIVE * len(traffic.received) + _HEADER_SLACK)}
+
+
+def _kept(tensor: torch.Tensor) -> tuple[bytes, torch.Size]:
+    # immutable: code that finds the checker's objects cannot change what it compares to
+    return tensor.detach().cpu().contiguous().numpy().tobytes(), tensor.shape
+
+
+def _restored(kept: tuple[bytes, torch.Size]) -> torch.Tensor:
+    data, shape = kept
+    return torch.frombuffer(bytearray(data), dtype=torch.float32).reshape(shape)
+
+
+def _unchanged(tensor: torch.Tensor, kept: tuple[bytes, torch.Size]) -> bool:
+    return (tensor.dtype == torch.float32 and tensor.shape == kept[1]
+            and _kept(tensor)[0] == kept[0])
 
 
 def _ring_trial(fn, length: int):
-    tensor = _rank_input(length)
-    expected = tensor.clone()
-    dist.all_reduce(expected)
+    tensor = fresh_input(length)
+    kept, size = _kept(tensor), tensor.element_size()
     before = len(collectives_so_far())
-    with sends_counted() as sent:
-        fn(tensor)
-    traffic = _traffic(sent, length, 2, tensor.element_size())
-    return (tensor, _collectives_since(before), traffic), expected
+    with traffic_measured() as traffic:
+        returned = fn(tensor)
+    collectives = _collectives_since(before)
+    expected = _restored(kept)
+    dist.all_reduce(expected)  # after the call: no sum existed while it ran
+    got = {"result": tensor, "collectives": collectives, "into": "the input tensor",
+           "unchanged": _unchanged(tensor, kept),
+           "returned": returned if isinstance(returned, torch.Tensor) else None,
+           "traffic": _summary(traffic, length, 2, size)}
+    return got, expected
 
 
 def _reduce_scatter_trial(fn, length: int):
     world = dist.get_world_size()
-    source = _rank_input(length * world)
-    expected = source.clone()
-    dist.all_reduce(expected)
-    expected = expected.chunk(world)[dist.get_rank()].clone()
+    source = fresh_input(length * world)
+    kept = _kept(source)
     output = torch.full((length,), float("nan"))
     before = len(collectives_so_far())
-    with sends_counted() as sent:
-        fn(output, source.clone())
-    traffic = _traffic(sent, length * world, 1, source.element_size())
-    return (output, _collectives_since(before), traffic), expected
+    with traffic_measured() as traffic:
+        returned = fn(output, source.clone())
+    collectives = _collectives_since(before)
+    expected = _restored(kept)
+    dist.all_reduce(expected)  # after the call: no sum existed while it ran
+    expected = expected.chunk(world)[dist.get_rank()].clone()
+    got = {"result": output, "collectives": collectives, "into": "`output`",
+           "unchanged": bool(output.isnan().all()),
+           "returned": returned if isinstance(returned, torch.Tensor) else None,
+           "traffic": _summary(traffic, length * world, 1, source.element_size())}
+    return got, expected
 
 
-def _show(tensor: torch.Tensor, limit: int = 8) -> str:
-    values = [f"{v:g}" for v in tensor.flatten()[:limit].tolist()]
-    return "[" + ", ".join(values) + (", ...]" if tensor.numel() > limit else "]")
+def _value(value: float) -> str:
+    return f"{value:.9g}"
+
+
+def _position(flat_index: int, shape: torch.Size) -> str:
+    if len(shape) <= 1:
+        return str(flat_index)
+    return str(tuple(int(i) for i in torch.unravel_index(torch.tensor(flat_index), shape)))
 
 
 def same_tensor(got, expected: torch.Tensor) -> str | None:
-    """None when ``got`` has ``expected``'s shape and values, else what differs."""
+    """None when ``got`` has ``expected``'s shape and values, else what differs: how many
+    values, and the first that does, with its index, the expected value and the one got."""
     if not isinstance(got, torch.Tensor):
         return f"expected a tensor, got {type(got).__name__}"
     if got.shape != expected.shape:
         return f"expected shape {tuple(expected.shape)}, got {tuple(got.shape)}"
     got, expected = got.double(), expected.double()  # any float dtype compares
-    if not torch.allclose(got, expected, rtol=1e-5, atol=1e-5, equal_nan=False):
-        wrong = int((~torch.isclose(got, expected, rtol=1e-5, atol=1e-5)).sum())
+    differs = ~torch.isclose(got, expected, rtol=1e-5, atol=1e-5, equal_nan=False)
+    if differs.any():
+        wrong = int(differs.sum())
+        first = int(differs.flatten().nonzero()[0])
+        where = "at" if wrong == 1 else "the first at"
         return (f"{wrong} of {count(got.numel(), 'value')} "
-                f"{'differs' if wrong == 1 else 'differ'}: expected {_show(expected)}, "
-                f"got {_show(got)}")
+                f"{'differs' if wrong == 1 else 'differ'}, {where} index "
+                f"{_position(first, got.shape)}: expected "
+                f"{_value(expected.flatten()[first].item())}, "
+                f"got {_value(got.flatten()[first].item())}")
+    return None
+
+
+def _elements(n: int) -> str:
+    return f"{n:,} element{'' if n == 1 else 's'}"
+
+
+def _judge_channels(traffic: dict) -> str | None:
+    """What went around send/recv: the store, a connection of its own, or sends the
+    Python-level count did not see."""
+    kernel = traffic["kernel"] or {}
+    if traffic["store_calls"] or kernel.get("store"):
+        used = (f" (it called {', '.join(traffic['store_calls'])})"
+                if traffic["store_calls"] else
+                f" ({kernel['store']:,} bytes went through the store's connection)")
+        return ("it exchanged data through a store (the rendezvous TCPStore, or one of its "
+                f"own), not through messages{used}: the data must go through send/recv (or "
+                "isend/irecv) between ranks; the store is only for the ranks to find each "
+                "other")
+    if kernel.get("new_sockets"):
+        return (f"{kernel['new_sockets']:,} bytes went through a connection opened during "
+                "the call, not through the process group: the data must go through "
+                "send/recv (or isend/irecv)")
+    counted = traffic["bytes"] + traffic["allowance"]
+    if kernel.get("peer_written", 0) > counted:
+        return (f"this rank's connections to the other ranks carried "
+                f"{kernel['peer_written']:,} bytes, but its send calls account for "
+                f"{traffic['bytes']:,} (with gloo's headers, at most {counted:,}): send "
+                "through torch.distributed's send or isend (or P2POp), so that each "
+                "message is counted")
+    return None
+
+
+def _judge_ring_traffic(traffic: dict) -> str | None:
+    """One neighbour, and between the ring's least and most bytes (the tensor's elements:
+    a message in another dtype counts by its bytes)."""
+    right, left = traffic["neighbours"]
+    peers = set(traffic["peers"])
+    size, sent = traffic["element_size"], traffic["bytes"]
+    neighbour = (f"rank {right}" if right == left else
+                 f"rank {right}, or rank {left} for a ring that turns the other way")
+    ranks = ", ".join(map(str, traffic["peers"]))
+    to = (f" to rank{'s' if len(peers) > 1 else ''} {ranks}" if peers else "")
+    what = (f"the sums are right, but this rank sent {_elements(traffic['elements'])} "
+            f"({sent:,} bytes){to}")
+    if sent > traffic["budget"] * size or not (peers <= {right} or peers <= {left}):
+        return (f"{what}; a ring sends at most {traffic['budget'] * size:,} bytes "
+                f"({_elements(traffic['budget'])}), to one neighbour only "
+                f"({neighbour}): pass chunks along the ring, not whole tensors to every rank")
+    if sent < traffic["least"] * size:
+        return (f"{what}; in a ring each rank sends at least {_elements(traffic['least'])} "
+                f"({traffic['least'] * size:,} bytes) to its neighbour: the values of every "
+                "rank must reach the others in messages, chunk by chunk")
     return None
 
 
 def _judge_point_to_point(got, expected) -> str | None:
-    tensor, collectives, traffic = got
-    if collectives:
-        return (f"it called {', '.join(collectives)}: build it from send/recv "
+    traffic = got["traffic"]
+    if got["collectives"]:
+        return (f"it called {', '.join(got['collectives'])}: build it from send/recv "
                 "(or isend/irecv) only")
-    wrong = same_tensor(tensor, expected)
+    through = _judge_channels(traffic)
+    if through:
+        return through
+    wrong = same_tensor(got["result"], expected)
+    returned = got["returned"]
+    if wrong and returned is not None and (
+            got["unchanged"] or same_tensor(returned, expected) is None):
+        state = ("was left unchanged" if got["unchanged"] else "does not hold the result")
+        return (f"{got['into']} {state} and a new tensor was returned: the result must be "
+                f"written into {got['into']}, in place (the caller reads the tensor it "
+                "passed; what the function returns is ignored)")
     if wrong:
         return wrong
-    right, left = traffic["neighbours"]
-    peers = set(traffic["peers"])
-    if traffic["bytes"] > traffic["budget"] or not (peers <= {right} or peers <= {left}):
-        ranks = ", ".join(map(str, traffic["peers"]))
-        neighbour = (f"rank {right}" if right == left else
-                     f"rank {right}, or rank {left} for a ring that turns the other way")
-        return (f"the sums are right, but this rank sent {traffic['bytes']:,} bytes to "
-                f"rank{'s' if len(peers) > 1 else ''} {ranks}; a ring sends at most "
-                f"{traffic['budget']:,}, to one neighbour only ({neighbour}): pass chunks "
-                "along the ring, not whole tensors to every rank")
-    return None
+    return _judge_ring_traffic(traffic)
 
 
 def _crossover_trial(fn, alpha: float, bandwidth: float, world: int):
