@@ -6,10 +6,12 @@ states."""
 
 from __future__ import annotations
 
+import random
+
 import torch
 from torchvision.transforms import v2
 
-from .core import Case, Exercise, beyond
+from .core import Case, Exercise, beyond, calls_during
 
 # ---------------------------------------------------------------- 01.1 channel stats
 
@@ -87,21 +89,48 @@ def _key(key: tuple) -> str:
     return "(seed {}, epoch {}, index {})".format(*key)
 
 
+def _global_seeders() -> dict:
+    """torch's functions that seed the global generators, GPUs' included (torch.manual_seed
+    is torch.random.manual_seed): recognised by their code, whatever name calls them."""
+    import torch.cuda.random as cuda_random
+
+    found = {torch.random.manual_seed: "torch.manual_seed", torch.random.seed: "torch.seed"}
+    for name in ("manual_seed", "manual_seed_all", "seed", "seed_all"):
+        found[getattr(cuda_random, name)] = f"torch.cuda.{name}"
+    return found
+
+
+def _fresh_global_state(draw: random.Random) -> torch.Tensor:
+    """Puts torch's CPU generator in a state no function can know in advance (a seed
+    drawn afresh, then some numbers drawn from it); returns that state."""
+    torch.default_generator.manual_seed(draw.getrandbits(63))
+    torch.rand(draw.randrange(1, 100))
+    return torch.get_rng_state()
+
+
 def _keyed_trial(fn, seeds: tuple, epochs: tuple, indices: tuple):
     keys = [(s, e, i) for s in seeds for e in epochs for i in indices]
     image = torch.rand(3, 32, 32, generator=torch.Generator().manual_seed(1))
     transform = _augmentation()
+    draw = random.SystemRandom()
     # the notebook's own random state is kept; torch.manual_seed would also reseed (or
     # queue a seed for) every GPU's generator, which fork_rng(devices=[]) does not restore
     with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(1000)
-        before = torch.get_rng_state()
-        first = {key: fn(transform, image.clone(), *key) for key in keys}
-        state_kept = torch.equal(torch.get_rng_state(), before)
-        torch.default_generator.manual_seed(2000)  # another global state, another order
-        order = torch.randperm(len(keys), generator=torch.Generator().manual_seed(2)).tolist()
-        second = {keys[k]: fn(transform, image.clone(), *keys[k]) for k in order}
-    got = {"shape": None, "unrepeatable": None, "collision": None, "state_kept": state_kept}
+        def both_passes():
+            kept = True
+            before = _fresh_global_state(draw)
+            first = {key: fn(transform, image.clone(), *key) for key in keys}
+            kept = kept and torch.equal(torch.get_rng_state(), before)
+            before = _fresh_global_state(draw)  # another global state, another order
+            order = torch.randperm(len(keys),
+                                   generator=torch.Generator().manual_seed(2)).tolist()
+            second = {keys[k]: fn(transform, image.clone(), *keys[k]) for k in order}
+            kept = kept and torch.equal(torch.get_rng_state(), before)
+            return first, second, kept
+
+        (first, second, state_kept), seeders = calls_during(_global_seeders(), both_passes)
+    got = {"shape": None, "unrepeatable": None, "collision": None, "state_kept": state_kept,
+           "seeders": seeders}
     for key in keys:
         for output in (first[key], second[key]):
             if not isinstance(output, torch.Tensor):
@@ -138,6 +167,10 @@ def _judge_keyed(got: dict, keys: list) -> str | None:
     if not got["state_kept"]:
         return ("torch's global random state changed: leave it as it was (the training "
                 "loop draws its own random numbers from it)")
+    if got["seeders"]:
+        return (f"your function calls {got['seeders'][0]}, which seeds every GPU's generator "
+                "too, and fork_rng(devices=[]) does not put those back: seed the CPU "
+                "generator alone")
     return None
 
 

@@ -11,7 +11,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DistributedSampler
 
-from .core import Case, Exercise, as_number, beyond
+from .core import Case, Exercise, as_number, beyond, calls_during
 
 
 def _show(values: list, limit: int = 12) -> str:
@@ -43,21 +43,37 @@ def _as_indices(result) -> list[int] | str:
 
 
 
+# DistributedSampler's own code: recognised by calls_during through an alias, a subclass
+# (which runs these through super()) or a call from another helper
+_SAMPLER_CODE = {getattr(DistributedSampler, name): f"DistributedSampler.{name}"
+                 for name in ("__init__", "__iter__", "__len__", "set_epoch")}
+
+
 def _sampler_trial(fn, n: int, world: int, epochs: tuple, seed: int, shuffle: bool,
                    drop_last: bool):
-    got, expected = {}, {}
+    expected = {}
     for epoch in epochs:
         for rank in range(world):
             sampler = DistributedSampler(range(n), num_replicas=world, rank=rank,
                                          shuffle=shuffle, seed=seed, drop_last=drop_last)
             sampler.set_epoch(epoch)
             expected[epoch, rank] = list(sampler)
-            got[epoch, rank] = _as_indices(fn(n, world, rank, epoch, seed, shuffle,
+
+    def readers() -> dict:
+        return {(epoch, rank): _as_indices(fn(n, world, rank, epoch, seed, shuffle,
                                               drop_last))
-    return got, expected
+                for epoch in epochs for rank in range(world)}
+
+    got, used = calls_during(_SAMPLER_CODE, readers)
+    return {"indices": got, "used": used}, expected
 
 
-def _judge_sampler(got: dict, expected: dict) -> str | None:
+def _judge_sampler(result: dict, expected: dict) -> str | None:
+    if result["used"]:
+        return (f"your function ran torch's DistributedSampler ({result['used'][0]}): the "
+                "exercise is to compute its indices yourself, without it (directly, through "
+                "another name or a subclass)")
+    got = result["indices"]
     for (epoch, rank), want in expected.items():
         have = got[epoch, rank]
         where = f"epoch {epoch}, rank {rank}"
@@ -183,6 +199,10 @@ def _accuracy_cases() -> list[Case]:
         ("11 samples on 2 ranks, not shuffled", (1, 1, 0, 1, 0, 1, 1, 0, 1, 1, 0), False, 2),
         ("10 samples on 4 ranks, shuffled", (1, 0, 1, 1, 1, 1, 0, 1, 0, 0), True, 4),
         ("7 samples on 3 ranks, shuffled", (0, 1, 1, 0, 1, 1, 1), True, 3),
+        # world_size divides the samples: no padding, and every rank's share is full
+        ("12 samples on 4 ranks, shuffled: no padding",
+         (1, 0, 1, 1, 0, 1, 1, 1, 0, 1, 1, 0), True, 4),
+        ("9 samples on 3 ranks, not shuffled: no padding", (0, 1, 1, 0, 1, 0, 1, 1, 1), False, 3),
     ]
     return [Case(label, (correct, shuffle), world) for label, correct, shuffle, world in table]
 

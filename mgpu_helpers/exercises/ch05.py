@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..flight_recorder import collectives_so_far
-from .core import Case, Exercise, beyond, largest_abs
+from .core import Case, Exercise, beyond, calls_during, largest_abs
 
 # ---------------------------------------------------------------- 05.1 float16 hook
 
@@ -57,10 +57,60 @@ def _hook_trial(fn, same_inputs: bool, near_limit: bool):
     default = _hook_gradients(None, inputs, loss_scale)
     torch_hook = _hook_gradients(default_hooks.fp16_compress_hook, inputs, loss_scale)
     sent: list[str] = []
+    seen = {"library": [], "results": set()}
+    watched = _watched(fn, seen)  # torch's hooks looked up before they are replaced below
     with _recording_torch_hooks() as library:
-        mine = _hook_gradients(fn, inputs, loss_scale, sent)
-    return ({"gradients": mine, "dtypes": sorted(set(sent)), "library": sorted(library)},
+        mine = _hook_gradients(watched, inputs, loss_scale, sent)
+    return ({"gradients": mine, "dtypes": sorted(set(sent)),
+             # torch's public hooks named before the private functions they call
+             "library": sorted(dict.fromkeys([*seen["library"], *sorted(library)]),
+                               key=lambda name: name.startswith("_")),
+             "results": sorted(seen["results"])},
             {"default": default, "torch": torch_hook})
+
+
+def _torch_hooks() -> dict:
+    """Every function of torch's default_hooks, the hooks that its wrappers return
+    included (nested code), for calls_during: recognised by their code, whatever name
+    the reader imported them under."""
+    import types
+
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    found = {}
+    for name, function in vars(default_hooks).items():
+        if not (isinstance(function, types.FunctionType)
+                and function.__module__ == default_hooks.__name__):
+            continue
+        found[function] = name
+        for const in function.__code__.co_consts:  # the hook a wrapper returns
+            if isinstance(const, types.CodeType) and "hook" in const.co_name:
+                cells = tuple(types.CellType() for _ in const.co_freevars)
+                found[types.FunctionType(const, {}, const.co_name, None, cells)] = name
+    return found
+
+
+def _watched(fn, seen: dict):
+    """``fn`` as DDP calls it, with what it calls of torch's hooks and the dtype of the
+    tensor its future holds written into ``seen``; the result is passed on unchanged."""
+    hooks = _torch_hooks()
+
+    def hook(state, bucket):
+        result, used = calls_during(hooks, fn, state, bucket)
+        seen["library"].extend(name for name in used if name not in seen["library"])
+        if not callable(getattr(result, "then", None)):  # not a future (all_reduce's
+            return result  # is torch's C++ Future): DDP says what is wrong with it
+
+        def note(future):
+            value = future.value()
+            tensor = value[0] if isinstance(value, (list, tuple)) and value else value
+            seen["results"].add(str(tensor.dtype).removeprefix("torch.")
+                                if isinstance(tensor, torch.Tensor) else type(tensor).__name__)
+            return value
+
+        return result.then(note)
+
+    return hook
 
 
 @contextmanager
@@ -100,6 +150,11 @@ def _hook_judge(got, expected) -> str | None:
         sent = ", ".join(got["dtypes"]) or "nothing"
         return (f"the hook's collectives sent {sent} tensors, expected only Half (float16): "
                 "compress the bucket before the all-reduce")
+    if got["results"] != ["float32"]:
+        held = ", ".join(got["results"]) or "nothing"
+        return (f"the hook's future holds {held}, expected float32: DDP takes the average "
+                "in the buffer's dtype, float32, shaped like bucket.buffer() (the float16 "
+                "tensor is only what travels)")
     for step, (mine, default, torch_hook) in enumerate(zip(
             got["gradients"], expected["default"], expected["torch"], strict=True)):
         if not torch.isfinite(mine).all():

@@ -25,6 +25,13 @@ def simulate(schedule, stages: int, micro_batches: int) -> dict:
     orders = []
     for stage, order in enumerate(schedule):
         order = [tuple(action) for action in order]
+        unknown = [action for action in order if action not in wanted]
+        if unknown:
+            only = count(micro_batches, "micro-batch", "micro-batches")
+            raise ValueError(f"stage {stage} runs {unknown[0]}, but there "
+                             f"{'is' if micro_batches == 1 else 'are'} only {only} (m in "
+                             f"0..{micro_batches - 1}): no stage can run more forward passes "
+                             "than there are micro-batches")
         if sorted(order) != wanted:
             raise ValueError(f"stage {stage} must run ('F', m) and ('B', m) once for each "
                              f"micro-batch m in 0..{micro_batches - 1}; it runs {order}")
@@ -63,7 +70,11 @@ def simulate(schedule, stages: int, micro_batches: int) -> dict:
 
 def _trial(kind: str):
     def trial(fn, stages: int, micro_batches: int):
-        got = simulate(fn(stages, micro_batches), stages, micro_batches)
+        schedule = fn(stages, micro_batches)
+        try:
+            got = simulate(schedule, stages, micro_batches)
+        except ValueError as error:  # a malformed schedule: a failed case, said plainly
+            got = {"malformed": str(error)}
         best = 2 * (micro_batches + stages - 1)  # unit passes: fill, steady state, drain
         if kind == "GPipe":
             held = [micro_batches] * stages
@@ -74,6 +85,8 @@ def _trial(kind: str):
 
 
 def _judge(got, expected) -> str | None:
+    if got.get("malformed"):
+        return got["malformed"]
     if got["deadlock"]:
         return f"deadlock: {got['deadlock']}"
     if got["length"] != expected["length"]:
@@ -90,9 +103,13 @@ def _judge(got, expected) -> str | None:
 
 
 def _cases():
-    return [Case(f"K = {count(stages, 'stage')}, M = {micro_batches} micro-batches",
+    return [Case(f"K = {count(stages, 'stage')}, "
+                 f"M = {count(micro_batches, 'micro-batch', 'micro-batches')}",
                  (stages, micro_batches))
-            for stages, micro_batches in ((2, 4), (4, 4), (4, 8), (3, 2), (1, 3))]
+            for stages, micro_batches in ((2, 4), (4, 4), (4, 8), (3, 2), (1, 3),
+                                          # K - 1 > M: fewer micro-batches than a full
+                                          # warm-up would take
+                                          (4, 2), (6, 3), (5, 1))]
 
 
 EXERCISES = [

@@ -4,6 +4,7 @@ and a tensor-parallel feed-forward block written by hand."""
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.distributed as dist
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..flight_recorder import collectives_so_far
-from .core import Case, Exercise, as_number, beyond, largest_abs
+from .core import Case, Exercise, as_number, beyond, calls_during, largest_abs
 
 # ---------------------------------------------------------------- 07.1 ZeRO-1
 
@@ -54,12 +55,14 @@ def _zero1_trial(fn, steps: int = 3, lr: float = 1e-2):
     stepped = {}  # every torch.optim optimizer that stepped in this rank
     handle = register_optimizer_step_post_hook(
         lambda optimizer, args, kwargs: stepped.setdefault(id(optimizer), optimizer))
-    try:
-        weights, params, returned = train(fn)
+    try:  # the classes of torch.distributed.optim constructed, however they were named
+        (weights, params, returned), constructed = calls_during(_LIBRARY.constructors(),
+                                                                train, fn)
     finally:
         handle.remove()
-    library = sorted({type(o).__name__ for o in (returned, *stepped.values())
-                      if type(o).__module__.startswith("torch.distributed.optim")})
+    library = sorted(set(constructed) | {
+        _LIBRARY.found_in(o) for o in (returned, *_held(returned), *stepped.values())
+        if _LIBRARY.found_in(o)})
     mine = _state_bytes(stepped.values())
     everyone = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(everyone, torch.tensor([mine]))
@@ -74,6 +77,59 @@ def _zero1_trial(fn, steps: int = 3, lr: float = 1e-2):
     return ({"weights": weights, "state": mine, "states": [int(b) for b in everyone],
              "optimizers": len(stepped), "library": library, "moments": moments},
             {"weights": expected, "total": total, "world": world, "steps": steps})
+
+
+class _Library:
+    """torch.distributed.optim's classes (ZeroRedundancyOptimizer among them), looked up
+    on first use: their constructors for calls_during (a subclass runs them through
+    super()), and which of them an object is an instance of."""
+
+    def __init__(self):
+        self._classes: list[type] | None = None
+
+    def classes(self) -> list[type]:
+        if self._classes is None:
+            import inspect
+            import types
+
+            import torch.distributed.optim  # noqa: F401 (loads its modules)
+
+            modules = [m for name, m in list(sys.modules.items())
+                       if name.startswith("torch.distributed.optim") and m is not None]
+            self._classes = sorted(
+                {c for m in modules for c in vars(m).values() if inspect.isclass(c)
+                 and c.__module__.startswith("torch.distributed.optim")
+                 and isinstance(vars(c).get("__init__"), types.FunctionType)},
+                key=lambda c: c.__qualname__)
+        return self._classes
+
+    def constructors(self) -> dict:
+        return {vars(c)["__init__"]: c.__name__ for c in self.classes()}
+
+    def found_in(self, obj) -> str | None:
+        """The name of the torch.distributed.optim class ``obj`` is an instance of."""
+        return next((c.__name__ for c in self.classes() if isinstance(obj, c)), None)
+
+
+_LIBRARY = _Library()
+
+
+def _held(obj) -> list:
+    """The objects ``obj`` keeps in its attributes, one level down (lists, tuples and
+    dicts of them too): an optimizer a wrapper holds."""
+    try:
+        values = list(vars(obj).values())
+    except TypeError:  # no __dict__
+        return []
+    held = []
+    for value in values:
+        if isinstance(value, dict):
+            held += list(value.values())
+        elif isinstance(value, (list, tuple)):
+            held += list(value)
+        else:
+            held.append(value)
+    return held
 
 
 def _moment_factor(moments: list) -> str | None:
@@ -94,9 +150,10 @@ def _moment_factor(moments: list) -> str | None:
 
 def _zero1_judge(got, expected) -> str | None:
     if got["library"]:
-        return (f"zero1_adam returned or stepped torch's {', '.join(got['library'])} "
-                "(torch.distributed.optim): the exercise is to write ZeRO-1 yourself, "
-                "around a torch.optim.Adam for this rank's share")
+        return (f"zero1_adam uses torch's {', '.join(got['library'])} "
+                "(torch.distributed.optim), directly, through a subclass or inside another "
+                "object: the exercise is to write ZeRO-1 yourself, around a torch.optim.Adam "
+                "for this rank's share")
     differences = [largest_abs(a - b) for a, b in zip(got["weights"], expected["weights"],
                                                    strict=True)]
     wrong = sum(beyond(d, 1e-6) for d in differences)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -18,39 +21,136 @@ class _FailsWhileSaving:
         raise OSError("No space left on device (simulated, half-way through the save)")
 
 
+class _Writes:
+    """Which files the reader's code opens for writing, renames or copies, seen through
+    Python's audit events (an alias, a helper or a module-level import calls the same
+    `open`, `os.open`, `os.replace`): recorded only while :meth:`watching` runs, and on
+    its thread only. Python offers no way to remove an audit hook, so one hook is added
+    on first use and does nothing outside that block."""
+
+    _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+    def __init__(self):
+        self.paths: list[str] | None = None
+        self.thread: int | None = None
+        self.added = False
+
+    def _hook(self, event: str, args: tuple) -> None:
+        if self.paths is None or threading.get_ident() != self.thread:
+            return
+        try:
+            if event == "open":
+                path, mode, flags = args
+                writes = ((isinstance(mode, str) and any(c in mode for c in "wax+"))
+                          or (isinstance(flags, int) and flags & self._WRITE_FLAGS))
+                written = [path] if writes else []
+            elif event == "os.rename":  # os.rename, os.replace, shutil.move
+                written = list(args[:2])
+            elif event == "shutil.copyfile":
+                written = [args[1]]
+            else:
+                return
+            for path in written:
+                if isinstance(path, (str, bytes, os.PathLike)):
+                    name = os.path.abspath(os.fsdecode(path))
+                    if "__pycache__" not in name:  # an import compiling a module
+                        self.paths.append(name)
+        except Exception:  # an audit hook that raises would stop the reader's call
+            pass
+
+    @contextmanager
+    def watching(self):
+        if not self.added:
+            sys.addaudithook(self._hook)
+            self.added = True
+        self.paths, self.thread = [], threading.get_ident()
+        try:
+            yield self.paths
+        finally:
+            self.paths, self.thread = None, None
+
+
+_WRITES = _Writes()
+
+
+@contextmanager
+def _elsewhere():
+    """The checkpoint's folder, and a working directory and a tempfile folder of the
+    trial's own while the block runs (so that nothing lands in the reader's folder, and
+    a file left there is seen): yields the three; afterwards the working directory and
+    tempfile's folder are put back and all three removed."""
+    previous_cwd, previous_tempdir = os.getcwd(), tempfile.tempdir
+    with tempfile.TemporaryDirectory(prefix="exercise-") as folder, \
+            tempfile.TemporaryDirectory(prefix="exercise-cwd-") as cwd, \
+            tempfile.TemporaryDirectory(prefix="exercise-tmp-") as temp:
+        os.chdir(cwd)
+        tempfile.tempdir = temp
+        try:
+            yield Path(folder), Path(cwd), Path(temp)
+        finally:
+            tempfile.tempdir = previous_tempdir
+            os.chdir(previous_cwd)
+
+
+def _outside(folder: Path, written: list[str], places: tuple[Path, ...]) -> list[str]:
+    """The files written outside ``folder``: paths the audit saw, and any file left in
+    ``places`` (the trial's own working directory and tempfile folder)."""
+    inside = folder.resolve()
+    found = [name for name in written if not Path(name).resolve().is_relative_to(inside)]
+    found += [str(p) for place in places for p in sorted(place.rglob("*")) if p.is_file()]
+    return list(dict.fromkeys(found))
+
+
 def _checkpoint_trial(fn, scenario: str):
     old = {"step": 100, "weights": torch.arange(6.0)}
     new = {"step": 200, "weights": torch.arange(6.0) * 2}
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder, "checkpoint.pt")
+    with _elsewhere() as (folder, cwd, temp):
+        path = folder / "checkpoint.pt"
         if scenario != "first save":
             torch.save(old, path)
         raised, rewritten = None, False
-        if scenario == "a save that fails":
-            try:
-                fn({**new, "broken": _FailsWhileSaving()}, path)
-            except Exception as error:  # the failure must reach the caller
-                raised = type(error).__name__
-        elif scenario == "replacing a checkpoint" and os.name == "posix":
-            # an open handle keeps the old file alive, so its inode number cannot be
-            # reused: a new file renamed onto the path has another one, a file written
-            # in place keeps it (on Windows, renaming onto an open file fails: not checked)
-            with open(path, "rb") as held:
-                inode = os.fstat(held.fileno()).st_ino
+        with _WRITES.watching() as written:
+            if scenario == "a save that fails":
+                try:
+                    fn({**new, "broken": _FailsWhileSaving()}, path)
+                except Exception as error:  # the failure must reach the caller
+                    raised = type(error).__name__
+            elif scenario == "replacing a checkpoint" and os.name == "posix":
+                # an open handle keeps the old file alive, so its inode number cannot be
+                # reused: a new file renamed onto the path has another one, a file written
+                # in place keeps it (on Windows, renaming onto an open file fails: not
+                # checked)
+                with open(path, "rb") as held:
+                    inode = os.fstat(held.fileno()).st_ino
+                    fn(new, path)
+                    rewritten = path.exists() and os.stat(path).st_ino == inode
+            else:
                 fn(new, path)
-                rewritten = path.exists() and os.stat(path).st_ino == inode
-        else:
-            fn(new, path)
+            written = list(written)
         try:
             kept = torch.load(path, weights_only=False) if path.exists() else None
         except Exception:  # a save cut off half-way leaves a file torch cannot read
             kept = "unreadable"
-        files = sorted(p.name for p in Path(folder).iterdir())
+        files = sorted(p.name for p in folder.iterdir())
+        elsewhere = [_shown_path(name, cwd, temp)
+                     for name in _outside(folder, written, (cwd, temp))]
     expected_state = old if scenario == "a save that fails" else new
-    got = {"state": kept, "files": files, "raised": raised, "rewritten": rewritten}
+    got = {"state": kept, "files": files, "raised": raised, "rewritten": rewritten,
+           "elsewhere": elsewhere}
     return got, {"state": expected_state, "files": ["checkpoint.pt"],
                  "raised": "OSError" if scenario == "a save that fails" else None,
                  "scenario": scenario}
+
+
+def _shown_path(name: str, cwd: Path, temp: Path) -> str:
+    """A path as the reader would recognise it: in the working directory, in the
+    temporary folder, or as it is."""
+    path = Path(name).resolve()
+    for place, words in ((cwd.resolve(), "the working directory"),
+                         (temp.resolve(), "the temporary folder")):
+        if path.is_relative_to(place):
+            return f"{path.relative_to(place)} in {words}"
+    return str(path)
 
 
 def _same_state(a, b) -> bool:
@@ -73,6 +173,11 @@ def _checkpoint_judge(got, expected) -> str | None:
                     f"holds step {got['state'].get('step', '?')}, expected step 100")
         return (f"checkpoint.pt holds step {got['state'].get('step', '?')}, expected "
                 f"step {expected['state']['step']}")
+    if got["elsewhere"]:
+        return (f"the save wrote {got['elsewhere'][0]}, outside the checkpoint's folder: "
+                "a temporary file elsewhere may sit on another file system (where "
+                "os.replace is no longer atomic, or fails), and it is left behind when the "
+                "save fails")
     if got["files"] != expected["files"]:
         return (f"the folder holds {got['files']} afterwards, expected only "
                 f"{expected['files']}: remove what the save leaves behind")
