@@ -43,9 +43,15 @@ class DevicePlan:
     summary: str
 
 
-def plan_for(gpu_count: int, nccl_available: bool, usable_cores: int) -> DevicePlan:
+def plan_for(gpu_count: int, nccl_available: bool, usable_cores: int,
+             gpus_without_cuda: int = 0) -> DevicePlan:
     """The plan of GPU-capable cells: one process per GPU (NCCL for CUDA tensors, gloo
-    for CPU tensors), else CPU ranks over gloo. CPU checks ignore it: they pin gloo."""
+    for CPU tensors), else CPU ranks over gloo. CPU checks ignore it: they pin gloo.
+
+    ``gpu_count`` counts the GPUs CUDA starts on (``devices.gpu_count().usable``, what
+    ``launch()`` goes by); ``gpus_without_cuda``, those the driver lists but CUDA cannot
+    start on (a driver too old for the build): no GPUs to the plan, only to its summary.
+    """
     backend = auto_backend(gpu_count, nccl_available)
     if gpu_count > 0 and backend != "gloo":
         noun = "GPU" if gpu_count == 1 else "GPUs"
@@ -56,7 +62,13 @@ def plan_for(gpu_count: int, nccl_available: bool, usable_cores: int) -> DeviceP
         summary = (f"{gpu_count} GPU(s), but this PyTorch build has no NCCL: "
                    f"{SIMULATED_RANKS} ranks compute on the CPU over gloo")
         return DevicePlan(SIMULATED_RANKS, "gloo", "cpu", summary)
-    summary = (f"no GPU: {SIMULATED_RANKS} ranks simulated as CPU processes over gloo "
+    unusable = ""
+    if gpus_without_cuda > 0:
+        noun = "GPU" if gpus_without_cuda == 1 else "GPUs"
+        unusable = (f"{gpus_without_cuda} {noun} found, but CUDA cannot start on "
+                    f"{'it' if gpus_without_cuda == 1 else 'them'} (see Problem): ")
+    summary = (f"{unusable or 'no GPU: '}{SIMULATED_RANKS} ranks simulated as CPU processes "
+               "over gloo "
                f"(one thread each, on {usable_cores} usable CPU core"
                f"{'' if usable_cores == 1 else 's'})")
     return DevicePlan(SIMULATED_RANKS, "gloo", "cpu", summary)

@@ -2,14 +2,21 @@
 
 A process that has initialised the CUDA driver cannot safely fork training ranks, and a
 notebook kernel forks them (``launch``). So the questions are asked where they cost
-nothing: NVML counts the GPUs (:func:`count_gpus`), a short-lived child process asks
-CUDA for their names and memory (:func:`probe_cuda`, see ``_cuda_probe``), and
-:func:`cuda_driver_loaded` tells whether this process has already started the driver.
+nothing: NVML lists the GPUs, a short-lived child process asks CUDA for their names and
+memory (:func:`probe_cuda`, see ``_cuda_probe``), and :func:`cuda_driver_loaded` tells
+whether this process has already started the driver.
+
+A GPU counts only if CUDA can start on it: NVML lists GPUs that a too-old driver, or a
+driver not ready, will not let CUDA use. :func:`gpu_count` is the one answer the plan of
+``describe()`` and the ranks of ``launch()`` both go by: NVML's word where it lists no
+GPU, else the child's (asked once per process and ``CUDA_VISIBLE_DEVICES`` setting,
+:func:`cuda_probe`; ``describe()`` asks afresh and keeps its answer for ``launch()``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import subprocess
@@ -47,6 +54,8 @@ class CudaProbe:
         cudnn_version: cuDNN version as an integer (e.g. 90100), or None without cuDNN.
         nccl_version: NCCL version string, or None when this build has no NCCL.
         probe_error: why the probe itself failed, or None.
+        listed_gpus: the GPUs NVML lists (the driver sees), CUDA started or not; -1
+            where NVML cannot count them (no NVML, a ROCm build, MIG devices).
     """
 
     gpus: tuple[GPU, ...] = ()
@@ -54,6 +63,12 @@ class CudaProbe:
     cudnn_version: int | None = None
     nccl_version: str | None = None
     probe_error: str | None = None
+    listed_gpus: int = -1
+
+    @property
+    def unusable_gpus(self) -> int:
+        """GPUs the driver lists but CUDA could not start on (0 when it started)."""
+        return 0 if self.gpus else max(self.listed_gpus, 0)
 
     @classmethod
     def from_json(cls, text: str) -> CudaProbe:
@@ -84,27 +99,86 @@ def probe_cuda(timeout: float = PROBE_TIMEOUT_S) -> CudaProbe:
         return CudaProbe(probe_error=f"the CUDA probe exited with status {done.returncode}: "
                          f"{last}")
     try:
-        return CudaProbe.from_json(done.stdout)
+        probe = CudaProbe.from_json(done.stdout)
     except (ValueError, KeyError, TypeError) as exc:
         return CudaProbe(probe_error=f"the CUDA probe printed something unreadable ({exc})")
+    # what the driver lists, CUDA started or not (NVML: fork-safe here, same visibility)
+    return dataclasses.replace(probe, listed_gpus=_nvml_listed())
+
+
+def _nvml_listed() -> int:
+    """The GPUs NVML lists for a process started from here; -1 where it cannot tell."""
+    return nvml_device_count() if torch.version.cuda is not None else -1
+
+
+#: Settings that change which GPUs CUDA shows a process: an answer is kept per setting.
+VISIBILITY_VARS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "HIP_VISIBLE_DEVICES",
+                   "ROCR_VISIBLE_DEVICES")
+_probes: dict[tuple[str | None, ...], CudaProbe] = {}
+
+
+def cuda_probe(refresh: bool = False) -> CudaProbe:
+    """:func:`probe_cuda`, asked once per process and GPU visibility setting (the
+    ``VISIBILITY_VARS``); ``refresh`` asks again. A probe that itself failed (a timeout,
+    a crash) is not kept: the next call asks again."""
+    key = tuple(os.environ.get(name) for name in VISIBILITY_VARS)
+    if refresh or key not in _probes:
+        probe = probe_cuda()
+        if probe.probe_error is not None:
+            _probes.pop(key, None)
+            return probe
+        _probes[key] = probe
+    return _probes[key]
+
+
+@dataclass(frozen=True)
+class GpuCount:
+    """The GPUs a rank started from here can use.
+
+    Args:
+        usable: GPUs CUDA starts on: what ``describe()`` plans and ``launch()`` starts.
+        listed: GPUs NVML lists, usable or not; -1 where NVML cannot count them.
+        problem: why listed GPUs are not usable (CUDA's error, or the probe's), or None.
+    """
+
+    usable: int
+    listed: int
+    problem: str | None = None
+
+    @classmethod
+    def from_probe(cls, probe: CudaProbe, listed: int | None = None) -> GpuCount:
+        listed = probe.listed_gpus if listed is None else listed
+        problem = None
+        if not probe.gpus and listed != 0:
+            problem = probe.cuda_error or probe.probe_error
+        return cls(len(probe.gpus), listed, problem)
+
+
+def gpu_count() -> GpuCount:
+    """How many GPUs a process started from here can use, without initialising CUDA here.
+
+    NVML (through PyTorch, honouring ``CUDA_VISIBLE_DEVICES``) answers first: fork-safe
+    and fast. Where it lists no GPU, there is none (no child is started: CPU machines pay
+    nothing). Where it lists some, or cannot count them but a GPU driver is present, the
+    child-process probe says how many CUDA can start on (:func:`cuda_probe`: once per
+    process and setting). A GPU CUDA cannot start on (a driver too old for this build)
+    is no GPU: ``describe()`` plans CPU ranks and ``launch()`` starts them.
+    """
+    if torch.version.cuda is None and torch.version.hip is None:
+        return GpuCount(0, 0)
+    listed = _nvml_listed()
+    if listed == 0:
+        return GpuCount(0, 0)
+    if listed < 0 and not any(os.path.exists(p)
+                              for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd")):
+        return GpuCount(0, 0)
+    return GpuCount.from_probe(cuda_probe(), listed)
 
 
 def count_gpus() -> int:
-    """How many GPUs a process started from here would see, without initialising CUDA.
-
-    Uses NVML (through PyTorch, honouring ``CUDA_VISIBLE_DEVICES``), which is fork-safe
-    and fast. Where NVML cannot answer but a GPU driver is present, falls back to the
-    child-process probe of :func:`probe_cuda` (slow, but still fork-safe).
-    """
-    if torch.version.cuda is None and torch.version.hip is None:
-        return 0
-    if torch.version.cuda is not None:
-        counted = nvml_device_count()
-        if counted >= 0:
-            return counted
-    if not any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd")):
-        return 0
-    return len(probe_cuda().gpus)
+    """The GPUs a rank started from here can use (:func:`gpu_count`): 0 where CUDA cannot
+    start, whatever NVML lists. Never initialises CUDA in this process."""
+    return gpu_count().usable
 
 
 _CUDA_ERROR_NOT_INITIALIZED = 3

@@ -11,6 +11,7 @@ split.
 from __future__ import annotations
 
 import html
+import importlib.metadata
 import os
 import platform
 import re
@@ -28,7 +29,7 @@ from .backend import (
     backend_device_type,
     plan_for,
 )
-from .devices import GPU, CudaProbe, count_gpus, cuda_driver_loaded, probe_cuda
+from .devices import GPU, CudaProbe, count_gpus, cuda_driver_loaded, cuda_probe, probe_cuda
 from .visible_devices import ENV_VAR, VisibleDevices, parse_cuda_visible_devices
 
 __all__ = [  # the report, and the names that moved to .backend and .devices
@@ -144,16 +145,19 @@ def describe(probe: CudaProbe | None = None) -> EnvReport:
 
     Args:
         probe: CUDA facts to use instead of asking a child process (tests pass a
-            simulated machine here). By default :func:`probe_cuda` is called.
+            simulated machine here). By default a child process is asked afresh
+            (:func:`~mgpu_helpers.devices.cuda_probe`), and ``launch()`` then goes by the
+            same answer: the GPUs planned here are the GPUs a launch starts ranks on.
 
     Returns:
         An :class:`EnvReport`. CUDA is never initialised in the calling process.
     """
-    probe = probe if probe is not None else probe_cuda()
+    probe = probe if probe is not None else cuda_probe(refresh=True)
     visible = parse_cuda_visible_devices(from_env=True)
     nccl_built = dist.is_available() and dist.is_nccl_available()
     usable = _usable_cores()
-    problems = [p for p in (probe.probe_error, driver_problem(probe.cuda_error)) if p]
+    cuda_problem = driver_problem(probe.cuda_error) or _cuda_start_problem(probe)
+    problems = [p for p in (probe.probe_error, cuda_problem) if p]
     if visible.problem:
         problems.append(f"{ENV_VAR}={visible.raw!r}: {visible.problem}")
     return EnvReport(
@@ -171,9 +175,39 @@ def describe(probe: CudaProbe | None = None) -> EnvReport:
         torch_threads=torch.get_num_threads(),
         gpus=probe.gpus,
         visible_devices=visible,
-        plan=plan_for(len(probe.gpus), nccl_built, usable),
+        plan=plan_for(len(probe.gpus), nccl_built, usable,
+                      gpus_without_cuda=probe.unusable_gpus),
         problems=tuple(problems),
     )
+
+
+def _cuda_start_problem(probe: CudaProbe) -> str | None:
+    """The driver lists GPUs but CUDA cannot start on them, for a reason other than a
+    driver too old for the build (which :func:`driver_problem` explains)."""
+    if not probe.unusable_gpus:
+        return None
+    count = probe.unusable_gpus
+    gpus = f"{count} GPU{'s' if count > 1 else ''}"
+    them = "them" if count > 1 else "it"
+    return (f"{gpus} found, but CUDA cannot start on {them}: "
+            f"{probe.cuda_error or 'no reason given.'} Until it can, the workbook runs CPU "
+            "ranks over gloo. Check that `nvidia-smi` "
+            "lists the GPUs without errors and that no other program holds them in "
+            "exclusive mode; on a cluster node, ask its administrators (the fabric manager "
+            "of NVSwitch machines must be running).")
+
+
+def _reinstall_command(index_tag: str) -> str:
+    """pip's command that installs this same PyTorch release (and its torchvision) built
+    for another CUDA: the tested versions, only the build changes."""
+    release = torch.__version__.split("+")[0]
+    pins = [f"torch=={release}"]
+    try:
+        pins.append(f"torchvision=={importlib.metadata.version('torchvision').split('+')[0]}")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return (f"pip install --force-reinstall {' '.join(pins)} --index-url "
+            f"https://download.pytorch.org/whl/{index_tag}")
 
 
 def driver_problem(cuda_error: str | None, cuda_build: str | None = None) -> str | None:
@@ -188,6 +222,7 @@ def driver_problem(cuda_error: str | None, cuda_build: str | None = None) -> str
         major, minor = divmod(int(found.group(1)) // 10, 100)
         supports = f" (it supports CUDA up to {major}.{minor})"
     return (f"the NVIDIA driver is too old for this PyTorch build, made for CUDA {cuda_build}"
-            f"{supports}. Update the driver, or install a PyTorch build for the CUDA your "
-            "driver supports, e.g. pip install torch torchvision --index-url "
-            "https://download.pytorch.org/whl/cu126 (README: 'PyTorch wheels and drivers')")
+            f"{supports}, so CUDA cannot start and the workbook runs CPU ranks over gloo. "
+            "Update the driver, or install this PyTorch release built for the CUDA your "
+            f"driver supports, e.g. {_reinstall_command('cu126')} "
+            "(README: 'PyTorch wheels and drivers')")

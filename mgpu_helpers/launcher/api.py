@@ -11,7 +11,7 @@ import sys
 import cloudpickle
 
 from ..cluster import ClusterEnvironmentError, cluster_environment
-from ..devices import count_gpus
+from ..devices import count_gpus, gpu_count
 from .checks import (
     check_callable,
     check_count,
@@ -29,6 +29,25 @@ from .in_place import run_in_this_process
 from .supervisor import run_ranks
 
 DEFAULT_TIMEOUT_S = 60.0
+
+#: Why GPUs are unusable, as already told on stderr by this process (told once each).
+_told_no_gpu: set[str] = set()
+
+
+def _resolve_on_this_machine(backend: str, nprocs: int | None) -> tuple[str, int]:
+    """The backend and rank count on the GPUs ``describe()`` plans with: those CUDA can
+    start on (``count_gpus``). Where the driver lists GPUs CUDA cannot start on,
+    ``backend="auto"`` runs CPU ranks over gloo, as the plan does, and says so once."""
+    gpus = count_gpus()
+    reason = gpu_count().problem if gpus == 0 else None
+    resolved = resolve_backend(backend, gpus, no_gpu_reason=reason)
+    nprocs = resolve_nprocs(nprocs, resolved, gpus)
+    if reason and backend == "auto" and reason not in _told_no_gpu:
+        _told_no_gpu.add(reason)
+        print(f"[launch] this machine has GPUs, but CUDA cannot start on them: {reason} "
+              "Ranks run on the CPU over gloo; `python -m mgpu_helpers` says how to fix it.",
+              file=sys.stderr, flush=True)
+    return resolved, nprocs
 
 
 def _listen(addr: str, port: int | None) -> socket.socket:
@@ -107,9 +126,7 @@ def launch(fn, *args, nprocs: int | None = None, backend: str = "auto",
     if cluster is not None:
         return run_in_this_process(fn, args, kwargs, cluster, backend, timeout)
 
-    gpus = count_gpus()
-    backend = resolve_backend(backend, gpus)
-    nprocs = resolve_nprocs(nprocs, backend, gpus)
+    backend, nprocs = _resolve_on_this_machine(backend, nprocs)
     method = resolve_start_method(start_method)
     ctx = mp.get_context(method)
     if method == "fork":

@@ -61,10 +61,13 @@ def check_no_group_in_this_process() -> None:
         )
 
 
-def resolve_backend(backend: str, gpus: int, nccl_available: bool | None = None) -> str:
+def resolve_backend(backend: str, gpus: int, nccl_available: bool | None = None,
+                    no_gpu_reason: str | None = None) -> str:
     """The process-group backend a launch with ``backend`` uses on a machine with
-    ``gpus`` visible GPUs: ``"auto"`` is NCCL for CUDA tensors plus gloo for CPU tensors
-    (``"cpu:gloo,cuda:nccl"``) with GPUs, else gloo; ``"gloo"`` is gloo everywhere."""
+    ``gpus`` usable GPUs (``devices.count_gpus()``, the count ``describe()`` plans
+    with): ``"auto"`` is NCCL for CUDA tensors plus gloo for CPU tensors
+    (``"cpu:gloo,cuda:nccl"``) with GPUs, else gloo; ``"gloo"`` is gloo everywhere.
+    ``no_gpu_reason``: why GPUs the driver lists are unusable (CUDA's error), if so."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, "
                          f"got {backend!r}")
@@ -75,6 +78,12 @@ def resolve_backend(backend: str, gpus: int, nccl_available: bool | None = None)
         if not nccl_available:
             raise LaunchError(f"backend={backend!r} but this PyTorch build has no NCCL; "
                               "use 'gloo' or 'auto'")
+        if gpus == 0 and no_gpu_reason:
+            raise LaunchError(
+                f"backend={backend!r} needs GPUs, and CUDA cannot start on the ones here: "
+                f"{no_gpu_reason} `python -m mgpu_helpers` says how to fix it; until then "
+                "use backend='auto' or 'gloo' (CPU ranks over gloo)"
+            )
         if gpus == 0:
             raise LaunchError(
                 f"backend={backend!r} needs GPUs and none is visible here (check "

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from ..backend import backend_device_type
 from ..cluster import ClusterRank, elastic_store
-from ..devices import count_gpus
+from ..devices import count_gpus, gpu_count
 from ..group_reuse import reusing_launched_group
 from ..ranks import gpu_index
 from .checks import resolve_backend
@@ -38,7 +38,9 @@ def run_in_this_process(fn, args, kwargs, cluster: ClusterRank, backend: str,
     if cluster.launcher == "srun":
         for name, value in torchrun_variables(cluster).items():
             os.environ.setdefault(name, value)
-    backend = resolve_backend(backend, count_gpus())
+    gpus = count_gpus()  # the GPUs CUDA starts on, as launch() and describe() count them
+    reason = gpu_count().problem if gpus == 0 else None
+    backend = resolve_backend(backend, gpus, no_gpu_reason=reason)
     if backend_device_type(backend) == "cuda":
         torch.cuda.set_device(gpu_index())  # after LOCAL_RANK is in the environment
     group_timeout = datetime.timedelta(seconds=timeout)
