@@ -3,6 +3,7 @@ batch-norm statistics over all ranks, each checked on gloo ranks against PyTorch
 
 from __future__ import annotations
 
+import linecache
 from contextlib import contextmanager
 
 import torch
@@ -57,7 +58,7 @@ def _hook_trial(fn, same_inputs: bool, near_limit: bool):
     default = _hook_gradients(None, inputs, loss_scale)
     torch_hook = _hook_gradients(default_hooks.fp16_compress_hook, inputs, loss_scale)
     sent: list[str] = []
-    seen = {"library": [], "results": set()}
+    seen = {"library": [], "results": set(), "returned": []}
     watched = _watched(fn, seen)  # torch's hooks looked up before they are replaced below
     with _recording_torch_hooks() as library:
         mine = _hook_gradients(watched, inputs, loss_scale, sent)
@@ -65,7 +66,7 @@ def _hook_trial(fn, same_inputs: bool, near_limit: bool):
              # torch's public hooks named before the private functions they call
              "library": sorted(dict.fromkeys([*seen["library"], *sorted(library)]),
                                key=lambda name: name.startswith("_")),
-             "results": sorted(seen["results"])},
+             "results": sorted(seen["results"]), "returned": seen["returned"][:1]},
             {"default": default, "torch": torch_hook})
 
 
@@ -92,14 +93,24 @@ def _torch_hooks() -> dict:
 
 def _watched(fn, seen: dict):
     """``fn`` as DDP calls it, with what it calls of torch's hooks and the dtype of the
-    tensor its future holds written into ``seen``; the result is passed on unchanged."""
+    tensor its future holds written into ``seen``; the result is passed on unchanged, but
+    for a result that is no Future: noted in ``seen`` (its type, and the reader's line
+    that returned it), and replaced by one that leaves the bucket as it is."""
     hooks = _torch_hooks()
 
     def hook(state, bucket):
-        result, used = calls_during(hooks, fn, state, bucket)
+        returned_from: list = []
+        result, used = calls_during(hooks, fn, state, bucket, returned_from=returned_from)
         seen["library"].extend(name for name in used if name not in seen["library"])
-        if not callable(getattr(result, "then", None)):  # not a future (all_reduce's
-            return result  # is torch's C++ Future): DDP says what is wrong with it
+        if not isinstance(result, torch._C.Future):  # torch.futures.Future is one too
+            # DDP would fail with an internal cast error: note what came back, where, and
+            # let DDP go on with the bucket as it is (the case fails on the note)
+            path, line, name = returned_from[-1] if returned_from else ("", 0, "")
+            seen["returned"].append((type(result).__name__, name, path, line,
+                                     linecache.getline(path, line).strip() if path else ""))
+            future = torch.futures.Future()
+            future.set_result(bucket.buffer())
+            return future
 
         def note(future):
             value = future.value()
@@ -141,11 +152,23 @@ def _recording_torch_hooks():
             setattr(default_hooks, name, original)
 
 
+def _not_a_future(kind: str, function: str, path: str, line: int, source: str) -> str:
+    what = {"Work": "a Work (what async_op=True gives)", "NoneType": "None"}.get(
+        kind, f"a {kind}")
+    where = (f" (line {line} of {function}, {path}" + (f": `{source}`" if source else "")
+             + ")") if path else ""
+    return (f"the hook returned {what}, not a torch.futures.Future{where}: DDP waits on the "
+            "future a hook returns and takes the bucket's averaged gradients from its value, "
+            "a float32 tensor shaped like bucket.buffer()")
+
+
 def _hook_judge(got, expected) -> str | None:
     if got["library"]:
         return (f"the hook calls torch's {got['library'][0]} (ddp_comm_hooks.default_hooks): "
                 "the exercise is to write the hook yourself, from bucket.buffer() and "
                 "dist.all_reduce")
+    if got.get("returned"):
+        return _not_a_future(*got["returned"][0])
     if got["dtypes"] != ["Half"]:
         sent = ", ".join(got["dtypes"]) or "nothing"
         return (f"the hook's collectives sent {sent} tensors, expected only Half (float16): "

@@ -6,19 +6,29 @@ reader's function, in this process (``Case.world == 0``) or inside each of
 ``(got, expected)``; its ``judge`` returns ``None`` when they agree, else what differs
 (a judge that raises, on a result of a kind it did not foresee, fails the case with
 "could not compare your result").
-A distributed case runs under a timeout: a hang is a failed case, reported as a hang,
-and the launcher stops every rank. An exception raised by the reader's code is shown as
-a traceback of the reader's frames, without the launcher's.
+A distributed case runs under a timeout, counted in each rank from when every rank is
+ready (a barrier after the group is made: starting the ranks is not the case's time): a
+hang is a failed case, reported as a hang with where each rank waited in the reader's
+code, and every rank is stopped. An exception raised by the reader's code is shown as
+a traceback of the reader's frames, without the launcher's. A rank that dies in native
+code (gloo's abort on a send and a receive of different sizes) is reported first, with
+its last message in the reader's terms, before what the other ranks then did.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import inspect
+import io
+import linecache
 import numbers
+import re
 import sys
+import sysconfig
 import tempfile
 import textwrap
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +36,11 @@ from pathlib import Path
 from typing import Any
 
 _PACKAGE = str(Path(__file__).resolve().parents[1])  # frames from here are the harness's
+# Seconds the ranks of a distributed case may take to start and meet, on top of the case's
+# own time, which each rank counts from then (spawn takes seconds, more on a busy machine).
+STARTUP_ALLOWANCE_S = 30.0
+# After a case's deadline, how long a rank waits for the others to say where they waited.
+_STACK_GRACE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -49,7 +64,7 @@ class Exercise:
     trial: Callable[..., tuple]  # (reader_fn, *case.args) -> (got, expected)
     judge: Callable[[Any, Any], str | None]
     hint: str
-    timeout: float = 15.0       # seconds a distributed case may take
+    timeout: float = 15.0       # seconds a distributed case may take, once its ranks are ready
 
     @property
     def chapter(self) -> str:
@@ -156,17 +171,22 @@ def is_stub(fn: Callable) -> bool:
 
 
 def calls_during(watched: dict[Callable, str], fn: Callable, *args,
-                 **kwargs) -> tuple[Any, list[str]]:
+                 returned_from: list | None = None, **kwargs) -> tuple[Any, list[str]]:
     """``fn(*args, **kwargs)``, and which of the ``watched`` functions ran during the call (their
     shown names, in the order first seen): how a task refuses a helper that would do the
     work for the reader. Functions are recognised by their code, so an alias, a
-    module-level import or a call from another helper is seen too."""
+    module-level import or a call from another helper is seen too. ``returned_from``,
+    where given, receives ``(file, line, function)`` of the line ``fn`` returned from."""
     codes = {function.__code__: name for function, name in watched.items()}
     seen: list[str] = []
+    here = sys._getframe()
 
     def profile(frame, event, arg):
         if event == "call" and frame.f_code in codes and codes[frame.f_code] not in seen:
             seen.append(codes[frame.f_code])
+        elif event == "return" and returned_from is not None and frame.f_back is here:
+            code = frame.f_code
+            returned_from.append((code.co_filename, frame.f_lineno, code.co_name))
 
     previous = sys.getprofile()
     sys.setprofile(profile)
@@ -187,38 +207,270 @@ def reader_traceback(error: BaseException) -> str:
     return ("Traceback (most recent call last):\n" + text if frames else "") + last
 
 
-def _in_rank(trial: Callable, fn: Callable, args: tuple, errors: str):
-    """Runs in each rank: the trial, with the reader's exception written down for the
-    checker (the launcher's own report would show its frames)."""
-    from ..ranks import rank
+def _in_rank(trial: Callable, fn: Callable, args: tuple, folder: str, timeout: float):
+    """Runs in each rank: the trial, under the case's deadline, with what the reader's
+    code did written down for the checker (the launcher's own report would show its
+    frames): an exception's traceback (``rankK.txt``), the stacks at a fatal signal
+    (``rankK.fatal``), where the rank waited when the deadline passed (``rankK.stack``).
 
+    The case's time starts after a barrier, once every rank has started and joined the
+    group: starting ranks (seconds under spawn, on a loaded machine) is not the case's."""
+    import faulthandler
+    import os
+    import threading
+
+    import torch.distributed as dist
+
+    from ..launcher.streams import flush_all_streams
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    files = {kind: Path(folder, f"rank{rank}.{kind}") for kind in ("fatal", "stack", "done")}
+    dist.barrier()  # every rank is ready: the case's time starts now
+    fatal = files["fatal"].open("w")
+    was_enabled = faulthandler.is_enabled()
+    faulthandler.enable(file=fatal, all_threads=True)  # a native crash: where the rank was
+    finished = threading.Event()
+
+    def deadline():
+        if finished.wait(timeout):
+            return
+        with files["stack"].open("w") as stack:
+            faulthandler.dump_traceback(file=stack, all_threads=True)
+        others = [(Path(folder, f"rank{k}.stack"), Path(folder, f"rank{k}.done"))
+                  for k in range(world)]
+        end = time.monotonic() + _STACK_GRACE_S  # each rank writes where it waits
+        while time.monotonic() < end and not all(
+                done.exists() or (stack.exists() and stack.stat().st_size)
+                for stack, done in others):
+            time.sleep(0.05)
+        flush_all_streams()  # what the reader's code printed
+        os._exit(1)  # every rank was stopped; the checker reports the hang
+
+    threading.Thread(target=deadline, name="exercise-deadline", daemon=True).start()
     try:
         return trial(fn, *args)
     except BaseException as error:
-        Path(errors, f"rank{rank()}.txt").write_text(reader_traceback(error))
+        Path(folder, f"rank{rank}.txt").write_text(reader_traceback(error))
         raise
+    finally:
+        finished.set()
+        files["done"].touch()
+        if was_enabled:
+            faulthandler.enable(file=sys.stderr, all_threads=True)
+        else:
+            faulthandler.disable()
 
 
 def _distributed(exercise: Exercise, fn: Callable, case: Case) -> list[tuple]:
     from ..launcher import LaunchError, launch
 
-    with tempfile.TemporaryDirectory(prefix="exercise-") as errors:
+    # The group's collectives and the launcher's join may wait for the ranks' start too;
+    # the case's own time (exercise.timeout) starts in each rank once all are ready.
+    limit = exercise.timeout + STARTUP_ALLOWANCE_S
+    with tempfile.TemporaryDirectory(prefix="exercise-") as folder, \
+            _stderr_recorded() as recorded:
         try:
             # CPU check: gloo ranks on every machine, so a case behaves the same anywhere
-            return launch(_in_rank, exercise.trial, fn, case.args, errors, nprocs=case.world,
-                          backend="gloo", timeout=exercise.timeout,
-                          join_timeout=exercise.timeout, return_all=True)
-        except TimeoutError:
-            raise _Hang(f"no result after {exercise.timeout:.0f} s: a rank waits for a "
-                        "message or a collective that never comes (every rank was "
-                        "stopped)") from None
+            return launch(_in_rank, exercise.trial, fn, case.args, folder, exercise.timeout,
+                          nprocs=case.world, backend="gloo", timeout=limit,
+                          join_timeout=limit, return_all=True)
+        except TimeoutError as error:  # the launcher's backstop: ranks that never ended
+            raise _Hang(_hang_message(limit, stacks_in_timeout(str(error)),
+                                      started=False)) from None
         except LaunchError as error:
-            written = sorted(Path(errors).glob("rank*.txt"))
-            if written:
-                first = written[0]
-                raise _ReaderError(f"{first.stem.replace('rank', 'rank ')} raised:\n"
-                                   + first.read_text()) from None
-            raise _ReaderError(str(error).splitlines()[0]) from None
+            stacks = _read_all(folder, "stack")
+            if stacks:  # the case's deadline passed: each rank wrote where it waited
+                raise _Hang(_hang_message(exercise.timeout, stacks, started=True)) from None
+            raise _ReaderError(diagnose(
+                str(error), errors=_read_all(folder, "txt"), fatal=_read_all(folder, "fatal"),
+                stderr=_rank_lines("".join(recorded)))) from None
+
+
+def _read_all(folder: str, kind: str) -> dict[int, str]:
+    """What each rank wrote into ``rankK.<kind>``, by rank, where it wrote something."""
+    found = {}
+    for path in Path(folder).glob(f"rank*.{kind}"):
+        text = path.read_text(errors="replace")
+        if text.strip():
+            found[int(path.stem.removeprefix("rank"))] = text
+    return dict(sorted(found.items()))
+
+
+class _Recorder(io.TextIOBase):
+    """A stream that passes everything on to ``stream`` and keeps a copy in ``text``."""
+
+    def __init__(self, stream):
+        self.stream, self.text = stream, []
+
+    def write(self, text):
+        self.text.append(text)
+        return self.stream.write(text)
+
+    def flush(self):
+        self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def _stderr_recorded():
+    """What the launcher prints on stderr meanwhile (each rank's, as ``[rank k] ...``),
+    still shown, and kept: a rank that dies in native code says why only there."""
+    recorder = _Recorder(sys.stderr)
+    with contextlib.redirect_stderr(recorder):
+        yield recorder.text
+
+
+def _rank_lines(text: str) -> dict[int, list[str]]:
+    lines: dict[int, list[str]] = {}
+    for match in re.finditer(r"^\[rank (\d+)\] (.*)$", text, flags=re.MULTILINE):
+        lines.setdefault(int(match[1]), []).append(match[2])
+    return lines
+
+
+# ------------------------------------------------------------------ the real cause first
+
+_COLLATERAL = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+_SIZE_MISMATCH = re.compile(r"(\d+) vs (\d+)\. Received data size doesn't match expected size")
+
+
+def explain(message: str, rank: int) -> str | None:
+    """A native or gloo error message in the reader's terms, where it is recognised."""
+    mismatch = _SIZE_MISMATCH.search(message)
+    if mismatch:
+        arrived, expected = int(mismatch[1]), int(mismatch[2])
+        if arrived % 4 == 0 and expected % 4 == 0:  # float32, the tensors the tasks use
+            sizes = (f"{count(arrived // 4, 'element')} where its recv expected "
+                     f"{expected // 4}")
+        else:
+            sizes = f"{count(arrived, 'byte')} where its recv expected {expected}"
+        return (f"rank {rank} received {sizes}: the two ranks' chunk sizes disagree (a send "
+                "and the recv that takes it must hold as many elements, of one dtype; gloo "
+                f"said {arrived} bytes arrived for a buffer of {expected})")
+    return None
+
+
+def _last_message(lines: list[str]) -> str:
+    """A dying rank's last words on stderr: C++'s ``what():`` line, else its last lines."""
+    for line in reversed(lines):
+        if "what():" in line:
+            return line.split("what():", 1)[1].strip()
+    kept = [line.strip() for line in lines if line.strip()]
+    return "\n".join(kept[-3:])
+
+
+def diagnose(launch_error: str, errors: dict[int, str], fatal: dict[int, str],
+             stderr: dict[int, list[str]]) -> str:
+    """The verdict on a failed distributed case, the real cause first: a rank that died
+    in native code (its last message, explained where recognised, and where its code
+    was), else an error the reader's code raised, else what the launcher saw; then what
+    the other ranks did, which is often only an echo (a peer that went away)."""
+    lines: list[str] = []
+    if fatal:
+        rank = min(fatal)  # several crashes: one is enough to lead
+        text = fatal[rank]
+        kind = re.search(r"Fatal Python error: (.+)", text)
+        kind_name = kind[1].strip() if kind else "a fatal signal"
+        said = _last_message(stderr.get(rank, []))
+        where = where_ranks_waited({rank: text}, prefix=False)
+        meaning = explain(said, rank)
+        if meaning:
+            lines.append(meaning)
+            lines.append(f"  rank {rank} was {where[0]}" if where else f"  rank {rank}")
+            lines[-1] += f", when its process ended ({kind_name})"
+        else:
+            lines.append(f"rank {rank} crashed in native code ({kind_name})"
+                         + (f" {where[0]}" if where else "")
+                         + (f"; its last message:\n  {said}" if said else ""))
+        others = {k: v for k, v in errors.items() if k != rank}
+    else:
+        genuine = [k for k, text in errors.items()
+                   if not any(c in text for c in _COLLATERAL)]
+        head = launch_error.splitlines()[0] if launch_error.strip() else ""
+        if not genuine and head and not any(c in head for c in _COLLATERAL):
+            # only echoes were raised: the launcher saw the cause (a rank that exited)
+            lines.append(head)
+            others = errors
+        elif errors:
+            rank = (genuine or list(errors))[0]
+            text = errors[rank]
+            meaning = explain(text, rank)
+            lines.append((meaning + "\n" if meaning else "") + f"rank {rank} raised:\n{text}")
+            others = {k: v for k, v in errors.items() if k != rank}
+        else:
+            lines.append(head)
+            others = {}
+    for rank, text in others.items():
+        last = text.strip().splitlines()[-1]
+        echo = any(c in last for c in _COLLATERAL)
+        lines.append(f"then rank {rank} raised {last}"
+                     + (" (a consequence: a peer it talked to had ended)" if echo else ""))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ where each rank waited
+
+_FRAME = re.compile(r'^\s*File "(.*)", line (\d+) in (.+)$')
+_LIBRARY = tuple(sorted({sysconfig.get_paths()[name] for name in
+                         ("stdlib", "platstdlib", "purelib", "platlib")}))
+
+
+def stacks_in_timeout(text: str) -> dict[int, str]:
+    """The stack of each rank in the launcher's TimeoutError, by rank."""
+    parts = re.split(r"^rank (\d+) stack:$", text, flags=re.MULTILINE)
+    return {int(rank): stack for rank, stack in zip(parts[1::2], parts[2::2], strict=True)}
+
+
+def _frames(dump: str) -> list[tuple[str, int, str]]:
+    """The frames (file, line, function), innermost first, of the thread that ran the
+    case in a faulthandler dump; only the frames inside the case (the reader's, and the
+    libraries' they called)."""
+    threads = re.split(r"^(?:Current thread|Thread) 0x[0-9a-f]+.*$", dump, flags=re.MULTILINE)
+    for thread in threads:
+        frames = [(m[1], int(m[2]), m[3].strip()) for m in map(_FRAME.match,
+                  thread.splitlines()) if m]
+        for index, (path, _, function) in enumerate(frames):
+            if function == "_in_rank" and path.startswith(_PACKAGE):
+                return [f for f in frames[:index] if not f[0].startswith(_PACKAGE)] or [
+                    ("", 0, "")]
+    return []
+
+
+def _place(frames: list[tuple[str, int, str]]) -> str:
+    """Where a rank was, in the reader's terms: "in recv, at line 12 of ring (cell.py):
+    `dist.recv(incoming, left)`"."""
+    readers = [i for i, (path, _, _) in enumerate(frames)
+               if path and not path.startswith(_LIBRARY) and not path.startswith("<")]
+    if not readers:
+        return "outside your code (in the checker's)" if frames else ""
+    innermost = readers[0]
+    called = [function for path, _, function in frames[:innermost]
+              if function not in ("wrapper", "<lambda>")]
+    path, line, function = frames[innermost]
+    text = (f"in {called[-1]}, " if called else "") + f"at line {line} of {function} ({path})"
+    source = linecache.getline(path, line).strip()
+    return text + (f": `{source}`" if source else "")
+
+
+def where_ranks_waited(stacks: dict[int, str], prefix: bool = True) -> list[str]:
+    """One line per rank: where its code was when it was stopped."""
+    found = []
+    for rank, dump in sorted(stacks.items()):
+        frames = _frames(dump)
+        place = _place(frames) if frames else ""
+        if place:
+            found.append(f"rank {rank}: {place}" if prefix else place)
+    return found
+
+
+def _hang_message(seconds: float, stacks: dict[int, str], started: bool) -> str:
+    since = "after every rank was ready" if started else "after the ranks were started"
+    text = (f"no result {seconds:g} s {since}: a rank waits for a message or a collective "
+            "that never comes (every rank was stopped)")
+    where = where_ranks_waited(stacks)
+    return text + (". Where each rank waited:\n" + "\n".join("  " + w for w in where)
+                   if where else "")
 
 
 class _Hang(Exception):
