@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-SETTINGS_FILE = Path(__file__).resolve().parent.parent / "tests" / "notebook.env"
+from .paths import CLONE
+
+SETTINGS_FILE = CLONE / "tests" / "notebook.env"
 
 
 def expected_settings(path: Path = SETTINGS_FILE) -> dict[str, str] | None:

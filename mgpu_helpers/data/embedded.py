@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from ..paths import CLONE
 from ..progress import progress_bar
 
 try:
@@ -45,7 +46,7 @@ def data_dir() -> Path:
     configured = os.environ.get(DATA_DIR_VAR)
     if configured:
         return Path(configured)
-    clone = Path(__file__).resolve().parents[2] / "data"
+    clone = CLONE / "data"
     if (clone / "README.md").exists():
         return clone
     return Path.home() / ".cache" / "mgpu_workbook"

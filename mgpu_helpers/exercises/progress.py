@@ -12,15 +12,15 @@ import json
 import os
 from pathlib import Path
 
-_CLONE = Path(__file__).resolve().parents[2]
+from ..paths import RUNS, in_clone
 
 
 def progress_file() -> Path:
     """Where progress is kept; see the module's docstring."""
     if os.environ.get("MGPU_EXERCISE_PROGRESS"):
         return Path(os.environ["MGPU_EXERCISE_PROGRESS"])
-    if (_CLONE / "notebooks").is_dir() and (_CLONE / "mgpu_helpers").is_dir():
-        return _CLONE / "runs" / "exercise_progress.json"
+    if in_clone():
+        return RUNS / "exercise_progress.json"
     data_home = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share"))
     return data_home / "mgpu-workbook" / "exercise_progress.json"
 
