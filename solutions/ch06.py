@@ -69,6 +69,19 @@ def one_f_one_b_order_warmup_counted_from_the_wrong_end(stages, micro_batches):
     return schedule
 
 
+def one_f_one_b_order_warmup_not_capped(stages, micro_batches):
+    """K - s - 1 warm-up forwards, even when there are fewer micro-batches than that."""
+    schedule = []
+    for stage in range(stages):
+        warmup = stages - stage - 1
+        order = [("F", m) for m in range(warmup)]
+        for m in range(micro_batches - warmup):
+            order += [("F", warmup + m), ("B", m)]
+        order += [("B", m) for m in range(micro_batches - warmup, micro_batches)]
+        schedule.append(order)
+    return schedule
+
+
 REFERENCE = {"06.1": gpipe_order, "06.2": one_f_one_b_order}
 MISTAKES = {
     "06.1": [(gpipe_order_backward_reversed_on_the_first_stage, "fail", "2(M+K-1)"),
@@ -78,5 +91,7 @@ MISTAKES = {
              (one_f_one_b_order_without_warmup, "fail", "2(M+K-1)"),
              (one_f_one_b_order_warmup_counted_from_the_wrong_end, "fail",
               "deadlock: stage 0 waits to run ('B', 0)"),
-             (gpipe_order, "fail", "activations held at once")],
+             (gpipe_order, "fail", "activations held at once"),
+             (one_f_one_b_order_warmup_not_capped, "fail",
+              "no stage can run more forward passes than there are micro-batches")],
 }

@@ -147,25 +147,12 @@ def test_05_1_the_hooks_result_must_be_float32():
 
 
 # ---------------------------------------------------------------- 06.2
-
-def one_f_one_b_order_warmup_not_capped(stages, micro_batches):
-    """K - s - 1 warm-up forwards, even when there are fewer micro-batches than that."""
-    schedule = []
-    for stage in range(stages):
-        warmup = stages - stage - 1
-        order = [("F", m) for m in range(warmup)]
-        for m in range(micro_batches - warmup):
-            order += [("F", warmup + m), ("B", m)]
-        order += [("B", m) for m in range(micro_batches - warmup, micro_batches)]
-        schedule.append(order)
-    return schedule
-
+# The uncapped warm-up (K - 1 > M) is a plausible mistake in solutions/ch06.py, run by
+# tests/test_exercises.py like the others; here, only that such cases exist.
 
 def test_06_2_has_cases_with_more_stages_than_micro_batches_plus_one():
-    report = exercises.run("06.2", one_f_one_b_order_warmup_not_capped, record=False)
-    assert any(stages - 1 > micro for stages, micro in (c.args for c in report.exercise.cases))
-    text = failed(report, "micro-batch")
-    assert "fail" in {o.status for o in report.outcomes}, text
+    cases = exercises.get("06.2").cases
+    assert any(stages - 1 > micro for stages, micro in (case.args for case in cases))
 
 
 # ---------------------------------------------------------------- 07.1
