@@ -4,7 +4,6 @@ plausible mistake fails, with a message that says what went wrong."""
 
 import dataclasses
 import importlib
-import json
 import re
 from pathlib import Path
 
@@ -198,9 +197,9 @@ def test_a_check_prints_and_records_progress(capsys, private_progress):
     exercises.check("03.2", solutions("03").reduce_scatter)
     printed = capsys.readouterr().out
     assert printed.startswith("Exercise 03.2 · ") and "all 3 cases passed" in printed
-    assert json.loads(private_progress.read_text()) == {"03.2": True}
+    assert progress.passed() == {"03.2": True}
     exercises.check("03.2", stub)  # not attempted: nothing recorded, nothing lost
-    assert json.loads(private_progress.read_text()) == {"03.2": True}
+    assert progress.passed() == {"03.2": True}
     assert exercises.chapter_progress()["03"] == (1, len([k for k in EXERCISES if k[:2] == "03"]))
 
 
@@ -238,3 +237,53 @@ def test_each_chapter_ships_the_stub_and_a_check_cell_whose_output_is_not_attemp
     assert len(checks) == 1, f"{path.name} needs one check cell for {key}"
     output = "".join(o.get("text", "") for o in checks[0].outputs)
     assert output == "\n".join(exercises.run(key, stub, record=False).lines()) + "\n"
+
+
+@pytest.mark.parametrize("key", list(EXERCISES))
+def test_each_task_shows_the_registrys_difficulty_and_time_under_its_heading(key):
+    exercise = EXERCISES[key]
+    (path,) = (ROOT / "notebooks").glob(f"{exercise.chapter}_*.ipynb")
+    text = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells
+                     if c.cell_type == "markdown")
+    heading = re.search(rf"^### Exercise {re.escape(key)} · .*\n\n(.*)$", text, re.MULTILINE)
+    assert heading, f"{path.name} has no heading for exercise {key}"
+    assert heading[1] == f"**Difficulty** {exercise.effort}", (
+        f"{path.name}: run `make nav` to write exercise {key}'s difficulty line")
+
+
+def test_an_exercise_without_a_difficulty_time_or_hint_is_refused():
+    exercise = EXERCISES["03.3"]
+    for change in ({"difficulty": 4}, {"minutes": 0}, {"hint": ()}):
+        with pytest.raises(ValueError, match="difficulty must be 1, 2 or 3"):
+            dataclasses.replace(exercise, **change)
+    assert dataclasses.replace(exercise, difficulty=3, minutes=5).effort == (
+        "★★★ · about 5 minutes")
+
+
+def test_the_hint_ladder_shows_one_more_hint_after_each_failed_check(private_progress):
+    ladder = dataclasses.replace(EXERCISES["03.3"], hint=("first step", "second step"))
+
+    def wrong(alpha, bandwidth, world):
+        return 1.0
+
+    def failing_hints():
+        report = core.evaluate(ladder, wrong)
+        report.hints_shown = progress.failed_checks("03.3") + 1  # as exercises.run does
+        progress.record("03.3", report.passed)
+        return [line for line in report.lines() if line.startswith(("Hint", "(the next"))]
+
+    assert failing_hints() == ["Hint 1 of 2: first step",
+                               "(the next hint shows if this check fails again)"]
+    assert failing_hints() == ["Hint 1 of 2: first step", "Hint 2 of 2: second step"]
+    assert failing_hints() == ["Hint 1 of 2: first step", "Hint 2 of 2: second step"]
+    assert progress.failed_checks("03.3") == 3 and progress.passed() == {"03.3": False}
+    progress.record("03.3", True)  # a pass keeps the count: the ladder stays climbed
+    assert progress.failed_checks("03.3") == 3 and progress.passed() == {"03.3": True}
+
+
+def test_a_progress_file_of_the_earlier_format_still_reads(private_progress):
+    private_progress.write_text('{"03.1": true, "03.2": false}')
+    assert progress.passed() == {"03.1": True, "03.2": False}
+    assert progress.failed_checks("03.2") == 0
+    progress.record("03.2", False)
+    assert progress.failed_checks("03.2") == 1 and progress.passed()["03.1"] is True

@@ -285,9 +285,39 @@ def _set_closing(cells: list[dict], link: str | None) -> bool:
     return True
 
 
+# An exercise's heading, and the line under it that `make nav` writes from the registry
+# (mgpu_helpers.exercises): "**Difficulty** ★★☆ · about 30 minutes".
+EXERCISE_HEADING = re.compile(
+    r"^(?P<heading>### Exercise (?P<key>\d\d\.\d) · [^\n]*\n)"
+    r"(?P<effort>\n\*\*Difficulty\*\* [^\n]*\n)?", re.MULTILINE)
+
+
+def effort_line(key: str) -> str:
+    from mgpu_helpers import exercises
+
+    return f"**Difficulty** {exercises.get(key).effort}"
+
+
+def _set_efforts(cells: list[dict]) -> bool:
+    """Put each exercise's difficulty and time under its heading; returns whether anything
+    changed. An exercise the registry does not know raises, naming it."""
+    changed = False
+    for cell in cells:
+        if cell["cell_type"] != "markdown":
+            continue
+        source = "".join(cell["source"])
+        updated = EXERCISE_HEADING.sub(
+            lambda match: f"{match['heading']}\n{effort_line(match['key'])}\n", source)
+        if updated != source:
+            cell["source"] = updated
+            changed = True
+    return changed
+
+
 def update_navigation(notebooks_dir: Path) -> list[Path]:
-    """Rewrite every chapter's navigation line under its heading and the "Next:" link its
-    last cell ends with; returns the notebooks that changed."""
+    """Rewrite every chapter's navigation line under its heading, the "Next:" link its
+    last cell ends with and the difficulty line under each exercise's heading; returns
+    the notebooks that changed."""
     chapters = read_chapters(notebooks_dir)
     changed = []
     for index, chapter in enumerate(chapters):
@@ -296,6 +326,7 @@ def update_navigation(notebooks_dir: Path) -> list[Path]:
         source = "".join(cell["source"])
         updated = _set_navigation(source, navigation(chapters, index))
         closing_changed = _set_closing(notebook["cells"], closing_link(chapters, index))
+        closing_changed |= _set_efforts(notebook["cells"])
         if updated != source or closing_changed:
             cell["source"] = updated
             _write_notebook(chapter.path, notebook)

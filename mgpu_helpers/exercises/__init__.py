@@ -41,6 +41,8 @@ def run(key: str, fn: Callable, record: bool = True) -> Report:
     :func:`check`); an attempted check is recorded in the reader's progress."""
     report = evaluate(get(key), fn)
     if record and report.attempted:
+        # the hint ladder: one more hint for each check of this exercise that failed
+        report.hints_shown = progress.failed_checks(key) + 1
         progress.record(key, report.passed)
     return report
 

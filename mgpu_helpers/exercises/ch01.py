@@ -176,7 +176,8 @@ def _judge_keyed(got: dict, keys: list) -> str | None:
 
 EXERCISES = [
     Exercise(
-        key="01.1", title="normalisation constants from a dataset", function="channel_stats",
+        key="01.1", difficulty=1, minutes=15,
+        title="normalisation constants from a dataset", function="channel_stats",
         cases=[Case("8 RGB images of 16 x 16", (((16, 16),) * 8, 3)),
                Case("10 RGB images of different sizes",
                     (((8, 8), (40, 24), (16, 32), (12, 12), (32, 32), (8, 24), (20, 20),
@@ -188,7 +189,8 @@ EXERCISES = [
              "between images' brightness belongs in the std",
     ),
     Exercise(
-        key="01.2", title="an augmentation that depends on the sample alone",
+        key="01.2", difficulty=2, minutes=25,
+        title="an augmentation that depends on the sample alone",
         function="keyed_augment",
         cases=[Case("seed 0, epochs 0 and 1, indices 0 to 3", ((0,), (0, 1), (0, 1, 2, 3))),
                Case("seeds 0 and 1, epoch 0, indices 0 and 1", ((0, 1), (0,), (0, 1))),

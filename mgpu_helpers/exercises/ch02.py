@@ -209,7 +209,8 @@ def _accuracy_cases() -> list[Case]:
 
 EXERCISES = [
     Exercise(
-        key="02.1", title="DistributedSampler from scratch", function="my_sampler_indices",
+        key="02.1", difficulty=2, minutes=30,
+        title="DistributedSampler from scratch", function="my_sampler_indices",
         cases=_sampler_cases(), trial=_sampler_trial, judge=_judge_sampler,
         hint="one order for every rank (shuffled from seed + epoch), padded by repeating "
              "it from its start until it divides evenly (or cut, with drop_last), then "
@@ -217,7 +218,8 @@ EXERCISES = [
              "than the dataset",
     ),
     Exercise(
-        key="02.2", title="a collate_fn for sequences of different lengths",
+        key="02.2", difficulty=1, minutes=20,
+        title="a collate_fn for sequences of different lengths",
         function="collate_sequences",
         cases=[Case("token ids, lengths 5 to 9, batches of 4", ((5, 9, 7, 6, 8, 5, 9, 6), 0, 4)),
                Case("float features (length x 3), a length-1 sequence, last batch of 2",
@@ -229,7 +231,8 @@ EXERCISES = [
              "padding",
     ),
     Exercise(
-        key="02.3", title="an exact accuracy from padded shards", function="exact_accuracy",
+        key="02.3", difficulty=2, minutes=30,
+        title="an exact accuracy from padded shards", function="exact_accuracy",
         cases=_accuracy_cases(), trial=_accuracy_trial, judge=_judge_accuracy,
         hint="position i of rank r's shard is position r + i * world_size of the padded "
              "order, and only the positions past the dataset's length are duplicates; "

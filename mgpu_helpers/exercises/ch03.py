@@ -245,7 +245,8 @@ def _judge_number(got, expected) -> str | None:
 
 EXERCISES = [
     Exercise(
-        key="03.1", title="a ring all-reduce from send and recv",
+        key="03.1", difficulty=3, minutes=60,
+        title="a ring all-reduce from send and recv",
         function="my_ring_all_reduce",
         cases=[Case(f"{world} ranks, {length} elements", (length,), world)
                for world, length in ((2, 8), (3, 7), (4, 4), (4, 2), (3, 1000))],
@@ -256,7 +257,8 @@ EXERCISES = [
              "send first",
     ),
     Exercise(
-        key="03.2", title="a reduce-scatter from send and recv",
+        key="03.2", difficulty=2, minutes=30,
+        title="a reduce-scatter from send and recv",
         function="my_reduce_scatter",
         cases=[Case(f"{world} ranks, {length} element{'s' if length > 1 else ''} out",
                     (length,), world)
@@ -266,7 +268,8 @@ EXERCISES = [
              "a rank sends first decides which one it finishes with",
     ),
     Exercise(
-        key="03.3", title="where latency and bandwidth cost the same",
+        key="03.3", difficulty=1, minutes=15,
+        title="where latency and bandwidth cost the same",
         function="crossover_bytes",
         cases=[Case(f"alpha {alpha * 1e6:g} us, {bandwidth / 1e9:g} GB/s, {world} ranks",
                     (alpha, bandwidth, world))

@@ -168,7 +168,8 @@ def _judge_split(got, expected: list) -> str | None:
 
 EXERCISES = [
     Exercise(
-        key="04.1", title="the replicas' gradients into the original module",
+        key="04.1", difficulty=1, minutes=20,
+        title="the replicas' gradients into the original module",
         function="add_replica_grads",
         cases=[Case("2 replicas of an MLP", ("mlp", ("±", "±"), False)),
                 Case("4 replicas, gradients already accumulated in the module",
@@ -187,7 +188,8 @@ EXERCISES = [
              "and the module's .grad accumulates the way backward would",
     ),
     Exercise(
-        key="04.2", title="how scatter splits a batch", function="chunk_sizes",
+        key="04.2", difficulty=1, minutes=15,
+        title="how scatter splits a batch", function="chunk_sizes",
         cases=[Case(f"a batch of {batch} over {devices} devices", (batch, devices))
                for batch, devices in ((64, 4), (65, 4), (10, 4), (6, 4), (3, 8), (1, 2))],
         trial=_split_trial, judge=_judge_split,

@@ -302,7 +302,8 @@ def _statistics_judge(got, expected) -> str | None:
 
 EXERCISES = [
     Exercise(
-        key="05.1", title="a communication hook that averages in float16",
+        key="05.1", difficulty=2, minutes=30,
+        title="a communication hook that averages in float16",
         function="fp16_average_hook",
         cases=[Case("2 ranks, different batches", (False, False), 2),
                Case("3 ranks, different batches", (False, False), 3),
@@ -313,7 +314,8 @@ EXERCISES = [
              "value, and the average, do not",
     ),
     Exercise(
-        key="05.2", title="gradient accumulation with no_sync",
+        key="05.2", difficulty=2, minutes=30,
+        title="gradient accumulation with no_sync",
         function="accumulation_step",
         cases=[Case(f"{world} ranks, {k} micro-batch{'es' if k > 1 else ''} of {b}",
                     (k, b), world)
@@ -325,7 +327,8 @@ EXERCISES = [
              "over the k micro-batches",
     ),
     Exercise(
-        key="05.3", title="batch statistics over all ranks",
+        key="05.3", difficulty=2, minutes=30,
+        title="batch statistics over all ranks",
         function="global_batch_stats",
         cases=[Case("2 ranks, 4 images each", ((4, 4),), 2),
                Case("3 ranks, 1, 4 and 7 images", ((1, 4, 7),), 3),

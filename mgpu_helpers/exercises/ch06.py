@@ -114,13 +114,15 @@ def _cases():
 
 EXERCISES = [
     Exercise(
-        key="06.1", title="the GPipe schedule", function="gpipe_order",
+        key="06.1", difficulty=2, minutes=30,
+        title="the GPipe schedule", function="gpipe_order",
         cases=_cases(), trial=_trial("GPipe"), judge=_judge,
         hint="every stage runs all its forward passes, then all its backward passes; the "
              "backward passes reach a stage in the order the next stage runs them",
     ),
     Exercise(
-        key="06.2", title="the 1F1B schedule", function="one_f_one_b_order",
+        key="06.2", difficulty=3, minutes=45,
+        title="the 1F1B schedule", function="one_f_one_b_order",
         cases=_cases(), trial=_trial("1F1B"), judge=_judge,
         hint="stage s starts with K - s - 1 forward passes (never more than M), then "
              "alternates one forward and one backward, then finishes the backwards",

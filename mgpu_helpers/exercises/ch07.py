@@ -297,7 +297,8 @@ def _tp_judge(got, expected) -> str | None:
 
 EXERCISES = [
     Exercise(
-        key="07.1", title="a ZeRO-1 optimizer", function="zero1_adam",
+        key="07.1", difficulty=3, minutes=60,
+        title="a ZeRO-1 optimizer", function="zero1_adam",
         cases=[Case(f"{world} ranks, 3 Adam steps", (), world) for world in (2, 3)],
         trial=_zero1_trial, judge=_zero1_judge,
         hint="assign each parameter to one rank; that rank alone gives it to a "
@@ -305,7 +306,8 @@ EXERCISES = [
              "its owner to the others",
     ),
     Exercise(
-        key="07.2", title="the largest model each ZeRO stage fits", function="largest_models",
+        key="07.2", difficulty=1, minutes=20,
+        title="the largest model each ZeRO stage fits", function="largest_models",
         cases=[Case(label, (size, ranks)) for label, size, ranks in (
             ("80 GB per rank, 8 ranks", 80 * 10**9, 8),
             ("16 GiB per rank, 3 ranks", 16 * 2**30, 3),
@@ -317,14 +319,21 @@ EXERCISES = [
              "model size is the memory divided by that (the shares need not be whole bytes)",
     ),
     Exercise(
-        key="07.3", title="a tensor-parallel block by hand", function="tp_feed_forward",
+        key="07.3", difficulty=3, minutes=45,
+        title="a tensor-parallel block by hand", function="tp_feed_forward",
         cases=[Case("2 ranks, input without a gradient", (False,), 2),
                Case("2 ranks, input with a gradient", (True,), 2),
                Case("3 ranks, input with a gradient", (True,), 3)],
         trial=_tp_trial, judge=_tp_judge,
-        hint="each rank's partial output is a sum over its share of the hidden features: "
-             "one all-reduce completes it, and b2 must be added once; in backward, the "
-             "output's gradient is the same on every rank, while x's gradient is a partial "
-             "sum that needs an all-reduce of its own (torch.autograd.Function)",
+        hint=("two autograd functions (torch.autograd.Function), each the other's mirror: "
+              "one is the identity forward and all-reduces the gradient in backward (put "
+              "it on x, whose gradient is a partial sum on each rank); the other "
+              "all-reduces forward and passes the gradient through unchanged in backward "
+              "(put it on the partial output, each rank's sum over its share of the "
+              "hidden features)",
+              "add b2 after the forward all-reduce, never before it: added on every rank "
+              "first, it would be summed N times (and since the identity function sits on "
+              "x, autograd skips its backward, and its all-reduce, when x needs no "
+              "gradient)"),
     ),
 ]

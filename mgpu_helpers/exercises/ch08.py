@@ -230,7 +230,8 @@ def _plan_judge(got, expected) -> str | None:
 
 EXERCISES = [
     Exercise(
-        key="08.1", title="a checkpoint a crash cannot destroy", function="save_atomically",
+        key="08.1", difficulty=2, minutes=25,
+        title="a checkpoint a crash cannot destroy", function="save_atomically",
         cases=[Case(scenario, (scenario,)) for scenario in
                ("first save", "replacing a checkpoint", "a save that fails")],
         trial=_checkpoint_trial, judge=_checkpoint_judge,
@@ -239,7 +240,8 @@ EXERCISES = [
              "remove the temporary file and let the exception go on",
     ),
     Exercise(
-        key="08.2", title="micro-batches and accumulation for a global batch",
+        key="08.2", difficulty=1, minutes=20,
+        title="micro-batches and accumulation for a global batch",
         function="batch_plan",
         cases=[Case(f"global batch {g}, {count(w, 'rank')}, at most {m} samples per pass",
                     (g, w, m))

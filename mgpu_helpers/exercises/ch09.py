@@ -131,7 +131,8 @@ def _uneven_judge(got, expected) -> str | None:
 
 EXERCISES = [
     Exercise(
-        key="09.1", title="a metric only rank 0 reduces", function="epoch_mean_loss",
+        key="09.1", difficulty=1, minutes=15,
+        title="a metric only rank 0 reduces", function="epoch_mean_loss",
         cases=[Case(f"{len(counts)} ranks with {', '.join(map(str, counts))} losses",
                     (counts,), len(counts))
                for counts in ((3, 3), (2, 5, 1))],
@@ -141,7 +142,8 @@ EXERCISES = [
              "ranks' means weighs a rank with few samples as much as one with many",
     ),
     Exercise(
-        key="09.2", title="metrics averaged under the wrong names",
+        key="09.2", difficulty=2, minutes=25,
+        title="metrics averaged under the wrong names",
         function="average_metrics",
         cases=[Case("2 ranks, the same order on both", (False,), 2),
                Case("2 ranks, the metrics recorded in different orders", (True,), 2),
@@ -152,7 +154,8 @@ EXERCISES = [
              "(it must not depend on how each rank filled its dict)",
     ),
     Exercise(
-        key="09.3", title="ranks with different numbers of batches",
+        key="09.3", difficulty=2, minutes=30,
+        title="ranks with different numbers of batches",
         function="train_on_uneven_batches",
         cases=[Case(f"{len(counts)} ranks with {', '.join(map(str, counts))} batches",
                     (counts,), len(counts))

@@ -183,7 +183,8 @@ def _shard_judge(got, expected) -> str | None:
 
 EXERCISES = [
     Exercise(
-        key="10.1", title="the activation bytes of a block", function="block_activation_bytes",
+        key="10.1", difficulty=2, minutes=30,
+        title="the activation bytes of a block", function="block_activation_bytes",
         cases=[Case("float32, sizes drawn afresh", ("fp32",)),
                Case("float32, another MLP ratio", ("mlp",)),
                Case("bfloat16", ("bf16",))],
@@ -194,7 +195,8 @@ EXERCISES = [
              "(float32); a tensor two layers read is kept once",
     ),
     Exercise(
-        key="10.2", title="FSDP2 per block with a mixed-precision policy", function="shard",
+        key="10.2", difficulty=2, minutes=30,
+        title="FSDP2 per block with a mixed-precision policy", function="shard",
         cases=[Case("2 ranks, FSDP2", (1,), 2), Case("4 ranks, HSDP (2 x 2)", (2,), 4)],
         trial=_shard_trial, judge=_shard_judge, timeout=30.0,
         hint="one MixedPrecisionPolicy(param_dtype=torch.bfloat16, "

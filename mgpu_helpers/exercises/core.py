@@ -63,12 +63,30 @@ class Exercise:
     cases: Sequence[Case]
     trial: Callable[..., tuple]  # (reader_fn, *case.args) -> (got, expected)
     judge: Callable[[Any, Any], str | None]
-    hint: str
+    hint: str | tuple[str, ...]  # a ladder: one more hint after each failed check
+    difficulty: int             # 1 to 3 stars
+    minutes: int                # about how long a reader of the chapter takes
     timeout: float = 15.0       # seconds a distributed case may take, once its ranks are ready
+
+    def __post_init__(self):
+        if self.difficulty not in (1, 2, 3) or self.minutes <= 0 or not self.hints:
+            raise ValueError(f"exercise {self.key}: difficulty must be 1, 2 or 3 "
+                             f"(got {self.difficulty}), minutes positive (got "
+                             f"{self.minutes}), and it needs a hint")
 
     @property
     def chapter(self) -> str:
         return self.key.split(".")[0]
+
+    @property
+    def hints(self) -> tuple[str, ...]:
+        return (self.hint,) if isinstance(self.hint, str) else tuple(self.hint)
+
+    @property
+    def effort(self) -> str:
+        """The line under the task's heading in the chapter: "★★☆ · about 30 minutes"."""
+        return ("★" * self.difficulty + "☆" * (3 - self.difficulty)
+                + f" · about {self.minutes} minutes")
 
 
 @dataclass
@@ -88,6 +106,7 @@ class Report:
     exercise: Exercise
     attempted: bool
     outcomes: list[Outcome] = field(default_factory=list)
+    hints_shown: int = 1  # how far up the hint ladder a failure shows
 
     @property
     def passed(self) -> bool:
@@ -110,8 +129,15 @@ class Report:
         if self.passed:
             lines.append(f"all {total} cases passed" if total > 1 else "the case passed")
         else:
-            lines.append(f"{passed} of {count(total, 'case')} passed. "
-                         f"Hint: {self.exercise.hint}")
+            hints = self.exercise.hints
+            shown = max(1, min(self.hints_shown, len(hints)))
+            if len(hints) == 1:
+                lines.append(f"{passed} of {count(total, 'case')} passed. Hint: {hints[0]}")
+            else:
+                lines.append(f"{passed} of {count(total, 'case')} passed.")
+                lines.extend(f"Hint {k + 1} of {len(hints)}: {hints[k]}" for k in range(shown))
+                if shown < len(hints):
+                    lines.append("(the next hint shows if this check fails again)")
         return lines
 
 

@@ -25,23 +25,44 @@ def progress_file() -> Path:
     return data_home / "mgpu-workbook" / "exercise_progress.json"
 
 
-def passed() -> dict[str, bool]:
-    """Exercise key -> whether its last check passed every case (checked ones only)."""
-    path = progress_file()
+def _recorded() -> dict[str, dict]:
+    """Exercise key -> {"passed": the last check passed, "failed": failed checks so far}.
+    A file of an earlier version (key -> bool) reads as no failed check."""
     try:
-        recorded = json.loads(path.read_text())
+        recorded = json.loads(progress_file().read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
-    return {key: bool(value) for key, value in recorded.items()} if isinstance(
-        recorded, dict) else {}
+    if not isinstance(recorded, dict):
+        return {}
+    state = {}
+    for key, value in recorded.items():
+        if isinstance(value, dict):
+            failed = value.get("failed", 0)
+            state[key] = {"passed": bool(value.get("passed")),
+                          "failed": failed if isinstance(failed, int) and failed > 0 else 0}
+        else:
+            state[key] = {"passed": bool(value), "failed": 0}
+    return state
+
+
+def passed() -> dict[str, bool]:
+    """Exercise key -> whether its last check passed every case (checked ones only)."""
+    return {key: value["passed"] for key, value in _recorded().items()}
+
+
+def failed_checks(key: str) -> int:
+    """How many checks of exercise ``key`` failed on this machine: how far up its hint
+    ladder the reader has climbed."""
+    return _recorded().get(key, {}).get("failed", 0)
 
 
 def record(key: str, outcome: bool) -> None:
-    """Remember the last check of exercise ``key``; written atomically, so an interrupted
-    write never loses what was recorded before."""
+    """Remember the last check of exercise ``key`` (and count it if it failed); written
+    atomically, so an interrupted write never loses what was recorded before."""
     path = progress_file()
-    state = passed()
-    state[key] = outcome
+    state = _recorded()
+    failed = state.get(key, {}).get("failed", 0) + (not outcome)
+    state[key] = {"passed": outcome, "failed": failed}
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(".tmp")
     temporary.write_text(json.dumps(dict(sorted(state.items())), indent=1) + "\n")
