@@ -14,11 +14,21 @@ peer sockets; and the calls of any ``Store`` method, or of a new ``TCPStore`` or
 ``FileStore``. (A socket opened and closed again inside the block leaves no count in the
 kernel; the Python-level counts see how it was reached.) Off Linux (or on a kernel older than
 4.19) the kernel's count is ``None`` and only the Python-level counts remain.
+
+Ranks on one machine can also meet outside sockets: :func:`side_channels` records the
+files opened for writing and the files mapped into memory while a block runs (Python's
+audit events ``open`` and ``mmap.__new__``), and, on Linux, the shared memory mappings
+(``/dev/shm``, ``memfd:``, a deleted file: a tensor's ``share_memory_()``, a
+``SharedMemory`` block) that were created, or whose bytes changed, during the block,
+inherited from the notebook's process or not.
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import os
+import re
 import socket
 import struct
 import sys
@@ -181,6 +191,91 @@ def kernel_bytes_between(before: dict, after: dict) -> KernelBytes:
     return counted
 
 
+# ------------------------------------------------------------ files and shared memory
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+_NOT_A_CHANNEL = ("/dev/null", "/dev/tty", "/dev/stdout", "/dev/stderr")
+_recording: list[tuple[list[str], tuple[str, ...]]] = []  # the blocks recording now
+_audit_installed = False
+# a shared mapping larger than this is noted by its size, not hashed (hashing reads it)
+_HASHED_BYTES = 256 << 20
+
+
+def _audit(event: str, args: tuple) -> None:
+    if not _recording or event not in ("open", "mmap.__new__"):
+        return
+    if event == "open":
+        path, mode, flags = args
+        writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+            isinstance(flags, int) and flags & _WRITE_FLAGS)
+        name = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else str(path)
+        if not writes or name in _NOT_A_CHANNEL or name.endswith(".pyc") or \
+                "__pycache__" in name:  # an import compiling a module is no message
+            return
+        for found, ignored in _recording:
+            if not any(name.startswith(prefix) for prefix in ignored):
+                found.append(f"wrote to the file {name}")
+    else:
+        fileno = args[0]
+        if fileno != -1:  # an anonymous mapping is this process's alone
+            for found, _ in _recording:
+                found.append(f"mapped a file into memory (file descriptor {fileno})")
+
+
+def shared_mappings() -> dict[str, tuple[int, int, str]] | None:
+    """This process's writable shared mappings that another process can reach:
+    name -> (start, end, hash of the bytes or their size). None off Linux. GPU and
+    kernel mappings (``/dev/...`` but ``/dev/shm``, ``anon_inode:``) are not channels."""
+    try:
+        lines = open("/proc/self/maps").read().splitlines()
+    except OSError:
+        return None
+    found = {}
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6 or not re.fullmatch(r"rw.s", parts[1]):
+            continue
+        path = parts[5]
+        if path.startswith("anon_inode:") or (path.startswith("/dev/")
+                                               and not path.startswith("/dev/shm/")):
+            continue
+        start, end = (int(x, 16) for x in parts[0].split("-"))
+        if end - start > _HASHED_BYTES:
+            digest = f"{end - start} bytes, not hashed"
+        else:
+            digest = hashlib.blake2b(ctypes.string_at(start, end - start),
+                                     digest_size=16).hexdigest()
+        found[f"{path} at {start:#x}"] = (start, end, digest)
+    return found
+
+
+@contextmanager
+def side_channels(ignored: tuple[str, ...] = ()):
+    """Inside a rank: a list that receives, in words, each way the block could have
+    reached another process outside sockets: a file opened for writing (paths starting
+    with one of ``ignored`` aside), a file mapped into memory, a shared mapping created
+    or written. (Sockets are :func:`traffic_measured`'s to count.)"""
+    global _audit_installed
+    if not _audit_installed:  # an audit hook cannot be removed: it stays, idle
+        sys.addaudithook(_audit)
+        _audit_installed = True
+    found: list[str] = []
+    before = shared_mappings()
+    _recording.append((found, ignored))
+    try:
+        yield found
+    finally:
+        _recording.remove((found, ignored))
+    after = shared_mappings()
+    if before is None or after is None:
+        return
+    for name, (_, _, digest) in after.items():
+        if name not in before:
+            found.append(f"created shared memory ({name.split(' at ')[0]})")
+        elif before[name][2] != digest:
+            found.append(f"wrote to shared memory ({name.split(' at ')[0]})")
+
+
 @dataclass
 class Traffic:
     """What a rank did while :func:`traffic_measured` ran: its messages, as
@@ -192,12 +287,14 @@ class Traffic:
     received: list[tuple[int, int, int]] = field(default_factory=list)
     store_calls: list[str] = field(default_factory=list)
     kernel: KernelBytes | None = None
+    side_channels: list[str] = field(default_factory=list)  # files, shared memory
 
 
 @contextmanager
-def traffic_measured():
+def traffic_measured(ignored_paths: tuple[str, ...] = ()):
     """Inside a rank: a :class:`Traffic` filled in while the block runs (the kernel's
-    count when it ends)."""
+    count and the shared memory when it ends); files written under ``ignored_paths``
+    are not side channels (the checker's own)."""
     traffic = Traffic()
     before = tcp_sockets()
     owners = _send_owners()
@@ -206,6 +303,8 @@ def traffic_measured():
         return lambda args, kwargs: traffic.store_calls.append(method)
 
     with ExitStack() as wrappers:
+        # entered first, so it ends last: its list is complete when the block has ended
+        traffic.side_channels = wrappers.enter_context(side_channels(ignored_paths))
         wrappers.enter_context(_wrapped(owners, "send", lambda args, kwargs: traffic.sent.append(
             _message(args, kwargs, "dstRank"))))
         wrappers.enter_context(_wrapped(owners, "recv", lambda args, kwargs: traffic.received
