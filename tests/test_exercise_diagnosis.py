@@ -13,7 +13,7 @@ import torch.distributed as dist
 from mgpu_helpers import exercises
 from mgpu_helpers.exercises import ch05, core
 from mgpu_helpers.launcher import rank_main
-from solutions.ch03 import ring_all_reduce
+from solutions.ch03 import bidirectional_all_reduce
 
 EXERCISES = exercises.registry()
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -112,7 +112,7 @@ def test_a_slow_start_does_not_count_against_a_cases_time(monkeypatch):
         return join_group(rank, spec, listener)
 
     monkeypatch.setattr(rank_main, "join_group", slow_join)  # inherited by forked ranks
-    report = core.evaluate(one_case("03.1", timeout=2), ring_all_reduce)
+    report = core.evaluate(one_case("03.1", timeout=2), bidirectional_all_reduce)
     assert report.passed, "\n".join(report.lines())
 
 

@@ -1,7 +1,9 @@
 """Chapter 03's checkers make the communication really happen: inputs drawn afresh (a
 closed form fails), the data through send/recv only (the store, a connection of one's own
 and a send the Python-level count does not see are refused), the ring's least traffic,
-the result in place, and a mismatch that names its first differing position."""
+03.1's two rings (both neighbours, each half's bytes, one chunk per message, the rings
+advancing together), the result in place, and a mismatch that names its first differing
+position."""
 
 import dataclasses
 import os
@@ -115,9 +117,47 @@ def ring_with_unwrapped_sends(tensor):
         chunks[receive].copy_(exchange((rank - step + 1) % world, receive))
 
 
+CHEAT_FOLDER = []  # set by the test before the ranks start (they inherit it)
+
+
+def through_files(tensor):
+    """Each rank writes its values to a file the others know the name of, and reads
+    theirs (waiting for them to appear)."""
+    import time
+
+    folder, rank = CHEAT_FOLDER[0], dist.get_rank()
+    with open(os.path.join(folder, f"{rank}.tmp"), "wb") as file:
+        file.write(tensor.numpy().tobytes())
+    os.replace(os.path.join(folder, f"{rank}.tmp"), os.path.join(folder, str(rank)))
+
+    def read(key):
+        path = os.path.join(folder, key.removeprefix("cheat"))
+        while not os.path.exists(path):
+            time.sleep(0.01)
+        return open(path, "rb").read()
+
+    _sum_from(tensor, read)
+
+
+# shared memory made in the notebook's process, before the ranks start: each inherits it
+SHARED_SLOTS = torch.zeros(4, 64).share_memory_()
+SHARED_READY = torch.zeros(4).share_memory_()
+
+
+def through_inherited_shared_memory(tensor):
+    import time
+
+    rank, world, length = dist.get_rank(), dist.get_world_size(), tensor.numel()
+    SHARED_SLOTS[rank, :length] = tensor
+    SHARED_READY[rank] = 1
+    while SHARED_READY[:world].sum() < world:
+        time.sleep(0.01)
+    tensor.copy_(SHARED_SLOTS[:world, :length].sum(0))
+
+
 def ring_on_a_copy(tensor):
     result = tensor.clone()
-    solutions.ring_all_reduce(result)
+    solutions.bidirectional_all_reduce(result)
     return result
 
 
@@ -146,10 +186,20 @@ def test_the_store_reached_around_the_python_count_is_seen_by_the_kernel():
     assert "through a store" in text and "bytes went through the store's connection" in text
 
 
+@linux_only  # /proc/self/maps, and ranks forked from this process (they inherit the memory)
+def test_files_and_inherited_shared_memory_are_refused_as_channels(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "CHEAT_FOLDER", [str(tmp_path)])
+    for cheat, what in ((through_files, "wrote to the file"),
+                        (through_inherited_shared_memory, "wrote to shared memory")):
+        text = report_text("03.1", 0, cheat)
+        assert "outside messages" in text and what in text, text
+        assert "not through files or shared memory" in text
+
+
 def test_a_send_through_the_backend_is_counted_and_judged():
     text = report_text("03.1", 1, to_every_rank_through_the_backend)  # 3 ranks, 7 elements
-    assert "this rank sent 14 elements (56 bytes) to ranks" in text
-    assert "a ring sends at most 48 bytes (12 elements), to one neighbour only" in text
+    assert ("this rank sent a message of 7 elements (28 bytes) to rank 1; a message holds "
+            "one chunk of one half, at most 2 elements") in text
 
 
 @linux_only
@@ -250,6 +300,93 @@ def test_a_reduce_scatter_returned_instead_of_written_names_output():
     partly = crafted(returned=torch.ones(8))  # changed, but not to the result
     assert ch03._judge_point_to_point(partly, expected).startswith(
         "the input tensor does not hold the result and a new tensor was returned")
+
+
+# ------------------------------------------------- 03.1: two rings, turning opposite ways
+
+
+def two_ring_messages(world, length, rank, skip_empty=False, left_first=False):
+    """(peer, elements, bytes) of each message a rank of a correct two-ring all-reduce
+    sends, in order: in every step a chunk of the first half to rank + 1 and one of the
+    second half to rank - 1 (``left_first``: that one first); ``skip_empty``: no message
+    for an empty chunk."""
+    right, left = (rank + 1) % world, (rank - 1) % world
+    first, second = ([len(c) for c in half.tensor_split(world)]
+                     for half in torch.empty(length).tensor_split(2))
+    messages = []
+    for s in list(range(world - 1)) + list(range(-1, world - 2)):
+        step = [(right, first[(rank - s) % world]), (left, second[(rank + s) % world])]
+        for peer, n in (step[::-1] if left_first else step):
+            if n or not skip_empty:
+                messages.append((peer, n, 4 * n))
+    return messages
+
+
+def two_rings(messages, world, length, rank=0):
+    """The trial's summary of a rank's traffic, for the judge."""
+    return {"messages": messages, "halves": ((length + 1) // 2, length // 2),
+            "world": world, "neighbours": ((rank + 1) % world, (rank - 1) % world),
+            "element_size": 4}
+
+
+def test_every_correct_two_ring_order_passes_empty_chunks_skipped_or_not():
+    for world in (2, 3, 4, 5, 8):
+        for length in range(1, 50):
+            for rank in range(world):
+                for skip_empty in (False, True):
+                    for left_first in (False, True):
+                        messages = two_ring_messages(world, length, rank, skip_empty,
+                                                     left_first)
+                        verdict = ch03._judge_two_rings(two_rings(messages, world, length,
+                                                                  rank))
+                        assert verdict is None, (world, length, rank, skip_empty, verdict)
+
+
+def test_two_rings_one_after_the_other_fail_by_the_order_of_their_messages():
+    for world in (3, 4, 5):
+        for length in range(2 * world, 40):  # no chunk empty: every step sends both ways
+            messages = two_ring_messages(world, length, 0, skip_empty=True)
+            right = [m for m in messages if m[0] == 1]
+            left = [m for m in messages if m[0] != 1]
+            in_sequence = ch03._judge_two_rings(two_rings(right + left, world, length))
+            assert in_sequence == (
+                f"the sums are right, but this rank sent all {2 * (world - 1)} messages to "
+                f"rank 1 before the first to rank {world - 1}: the two rings must advance "
+                "together, one chunk each way per step")
+            half = world - 1  # reduce-scatter, then all-gather, each ring in turn
+            in_turns = right[:half] + left[:half] + right[half:] + left[half:]
+            verdict = ch03._judge_two_rings(two_rings(in_turns, world, length))
+            assert verdict.startswith(f"the sums are right, but this rank had sent 2 "
+                                      f"messages to rank 1 and none to rank {world - 1}: "
+                                      "the two rings must advance together"), verdict
+
+
+def test_each_direction_carries_its_own_halfs_ring_bytes():
+    messages = two_ring_messages(4, 10, 0)  # halves of 5 and 5, chunks of 2, 1, 1, 1
+    twice = messages + [m for m in messages if m[0] == 1]  # every right chunk sent twice
+    assert ch03._judge_two_rings(two_rings(twice, 4, 10)).startswith(
+        "the sums are right, but this rank sent 16 elements (64 bytes) to rank 1; the first "
+        "half's ring (to rank + 1, 5 elements) sends it at most 12 elements (48 bytes)")
+    short = [m for m in messages if m[0] == 1] + [m for m in messages if m[0] == 3][:1]
+    assert ch03._judge_two_rings(two_rings(short, 4, 10)).startswith(
+        "the sums are right, but this rank sent 2 elements (8 bytes) to rank 3; the second "
+        "half's ring (to rank − 1, 5 elements) sends it at least 6 elements (24 bytes)")
+    idle = [(1, 2, 8)] * 12
+    assert "and none to rank 3: the second half goes round the ring that turns the other " \
+        "way, to rank − 1 (rank 3)" in ch03._judge_two_rings(two_rings(idle, 4, 10))
+
+
+def test_on_two_ranks_a_message_holds_one_chunk_of_a_half_not_of_the_tensor():
+    one_way = [(1, 5, 20), (1, 4, 16)]  # section 2's ring on 9 elements: chunks of 5, 4
+    assert ch03._judge_two_rings(two_rings(one_way, 2, 9)) == (
+        "the sums are right, but this rank sent a message of 5 elements (20 bytes) to rank "
+        "1; a message holds one chunk of one half, at most 3 elements here (the larger half "
+        "has 5 elements, in 2 chunks): split the tensor with tensor_split(2), each half into "
+        "N chunks, and send one chunk of each half per step")
+    stray = two_ring_messages(4, 10, 0) + [(2, 1, 4)]
+    assert "sent messages to rank 2; each rank sends only to its two neighbours, rank 1 " \
+        "(rank + 1, the first half's ring) and rank 3" in ch03._judge_two_rings(
+            two_rings(stray, 4, 10))
 
 
 def test_inputs_are_whole_numbers_drawn_afresh():

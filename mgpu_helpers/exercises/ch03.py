@@ -5,12 +5,15 @@ code can know another rank's values without a message, and every order of adding
 gives the same float sum); the expected result is reduced by the checker after the
 reader's function has returned, so no sum exists in a rank while it runs. What a rank
 sends is counted by :func:`mgpu_helpers.traffic.traffic_measured`: in Python, where every
-``send`` passes (the process group's and the backend's), for the per-peer rule and the
-ring's least and most traffic; and, on Linux, by the kernel on the process's sockets,
-which no call can bypass: bytes on the rendezvous store's sockets or on a socket opened
-during the call are refused, and the backend's sockets may carry no more than the
-counted messages and gloo's headers (gloo's flight recorder keeps the collectives only,
-no entry for a send or a receive). Off Linux the Python-level counts alone decide."""
+``send`` passes (the process group's and the backend's), for the per-peer rule, the
+rings' least and most traffic and, in 03.1 (two rings that turn opposite ways), the
+order of the messages to the two neighbours; and, on Linux, by the kernel on the
+process's sockets, which no call can bypass: bytes on the rendezvous store's sockets or
+on a socket opened during the call are refused, and the backend's sockets may carry no
+more than the counted messages and gloo's headers (gloo's flight recorder keeps the
+collectives only, no entry for a send or a receive). Files written and shared memory
+made or written during the call (:func:`mgpu_helpers.traffic.side_channels`) are refused
+too. Off Linux the kernel's and /proc's counts are missing and the rest decide."""
 
 from __future__ import annotations
 
@@ -67,6 +70,7 @@ def _summary(traffic, elements: int, phases: int, element_size: int) -> dict:
             "least": least, "budget": most, "element_size": element_size,
             "neighbours": ((rank + 1) % world, (rank - 1) % world),
             "store_calls": sorted(set(traffic.store_calls)),
+            "side_channels": list(dict.fromkeys(traffic.side_channels)),
             "kernel": None if kernel is None else vars(kernel).copy(),
             "allowance": (_HEADER_PER_SEND * len(traffic.sent)
                           + _HEADER_PER_RECEIVE * len(traffic.received) + _HEADER_SLACK)}
@@ -99,8 +103,20 @@ def _ring_trial(fn, length: int):
     got = {"result": tensor, "collectives": collectives, "into": "the input tensor",
            "unchanged": _unchanged(tensor, kept),
            "returned": returned if isinstance(returned, torch.Tensor) else None,
-           "traffic": _summary(traffic, length, 2, size)}
+           "traffic": _two_ring_summary(traffic, length, size)}
     return got, expected
+
+
+def _two_ring_summary(traffic, length: int, element_size: int) -> dict:
+    """What this rank sent, for the two rings of 03.1: every message in the order sent
+    (peer, elements, bytes), the halves' lengths (``tensor_split(2)``'s), and what the channel
+    judge needs."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    summary = _summary(traffic, length, 2, element_size)
+    summary.update(messages=list(traffic.sent),
+                   halves=((length + 1) // 2, length // 2), world=world,
+                   neighbours=((rank + 1) % world, (rank - 1) % world))
+    return summary
 
 
 def _reduce_scatter_trial(fn, length: int):
@@ -169,6 +185,11 @@ def _judge_channels(traffic: dict) -> str | None:
                 f"own), not through messages{used}: the data must go through send/recv (or "
                 "isend/irecv) between ranks; the store is only for the ranks to find each "
                 "other")
+    if traffic.get("side_channels"):
+        return (f"data can pass between the ranks outside messages, and this rank "
+                f"{'; '.join(traffic['side_channels'][:3])} during the call: the ranks must "
+                "exchange data through send/recv (or isend/irecv) only, not through files "
+                "or shared memory")
     if kernel.get("new_sockets"):
         return (f"{kernel['new_sockets']:,} bytes went through a connection opened during "
                 "the call, not through the process group: the data must go through "
@@ -206,6 +227,97 @@ def _judge_ring_traffic(traffic: dict) -> str | None:
     return None
 
 
+_HALF = ("first", "second")  # the halves of tensor_split(2): to rank + 1, to rank - 1
+_TURN = ("rank + 1", "rank − 1")
+
+
+def _judge_two_rings(traffic: dict) -> str | None:
+    """03.1's traffic: to the two neighbours only; each message one chunk of a half; each
+    half's ring between its least and most bytes, in its own direction; and the two
+    rings advancing together (judged from the order of the messages, where each
+    direction carries at least two that hold data). Sizes count by bytes, so that a
+    message in another dtype counts for what it carries."""
+    world, size = traffic["world"], traffic["element_size"]
+    right, left = traffic["neighbours"]
+    halves = traffic["halves"]
+    messages = [tuple(message) for message in traffic["messages"]]  # (peer, elements, bytes)
+    sent = "the sums are right, but this rank sent"
+    strays = sorted({peer for peer, _, _ in messages} - {right, left})
+    if strays:
+        ranks = ", ".join(map(str, strays))
+        only = (f"its neighbour, rank {right} (both rings)" if right == left else
+                f"its two neighbours, rank {right} (rank + 1, the first half's ring) and "
+                f"rank {left} (rank − 1, the second half's)")
+        return (f"{sent} messages to rank{'s' if len(strays) > 1 else ''} {ranks}; each "
+                f"rank sends only to {only}: pass chunks along the rings, not whole "
+                "tensors to every rank")
+    ring = {right: 0, left: 1} if right != left else {right: None}  # peer -> its half
+    to = {peer: sum(nbytes for p, _, nbytes in messages if p == peer) for peer in ring}
+    if right != left:
+        for k, (peer, other) in enumerate(((right, left), (left, right))):
+            if halves[k] and not to[peer]:
+                return (f"{sent} all its data to rank {other} ({to[other]:,} bytes) and "
+                        f"none to rank {peer}: the {_HALF[k]} half goes round the ring "
+                        f"that turns the other way, to {_TURN[k]} (rank {peer}); a one-way "
+                        "ring leaves that direction of every link idle")
+    for peer, elements, nbytes in messages:
+        k = ring[peer]
+        half = halves[0] if k is None else halves[k]  # on 2 ranks: the larger half's
+        largest = math.ceil(half / world)
+        if nbytes > largest * size:
+            which = "the larger half" if k is None else f"the {_HALF[k]} half"
+            return (f"{sent} a message of {_elements(elements)} ({nbytes:,} bytes) to rank "
+                    f"{peer}; a message holds one chunk of one half, at most "
+                    f"{_elements(largest)} here ({which} has {_elements(half)}, in {world} "
+                    "chunks): split the tensor with tensor_split(2), each half into N "
+                    "chunks, and send one chunk of each half per step")
+    for peer, k in ring.items():
+        lengths = halves if k is None else halves[k:k + 1]
+        name = ("the two halves' rings" if k is None else
+                f"the {_HALF[k]} half's ring (to {_TURN[k]}, {_elements(halves[k])})")
+        bounds = [ring_bounds(h, world, 2) for h in lengths]
+        least, most = sum(b[0] for b in bounds) * size, sum(b[1] for b in bounds) * size
+        if not least <= to[peer] <= most:
+            limit = (f"at most {_elements(most // size)} ({most:,} bytes)"
+                     if to[peer] > most else
+                     f"at least {_elements(least // size)} ({least:,} bytes)")
+            why = ("pass chunks along the ring, each once per phase" if to[peer] > most else
+                   "the values of every rank must reach the others in messages, chunk by "
+                   "chunk")
+            elements = sum(e for p, e, _ in messages if p == peer)
+            return (f"{sent} {_elements(elements)} ({to[peer]:,} bytes) to rank {peer}; "
+                    f"{name} sends it {limit}: {why}")
+    return None if right == left else _judge_together(messages, right, left, halves,
+                                                      world)
+
+
+def _judge_together(messages: list, right: int, left: int, halves: tuple,
+                    world: int) -> str | None:
+    """The two rings advance together: some message to each neighbour comes before the
+    last to the other (where each gets at least two that hold data: a ring that skips
+    its empty chunks may send one only); and, where no chunk is empty (every step sends
+    one chunk each way), neither ring is ever two messages ahead of the other."""
+    order = [peer for peer, _, nbytes in messages if nbytes]
+    at = {peer: [i for i, p in enumerate(order) if p == peer] for peer in (right, left)}
+    advance = "the two rings must advance together, one chunk each way per step"
+    if len(at[right]) >= 2 and len(at[left]) >= 2:  # fewer: the order says nothing
+        for early, late in ((right, left), (left, right)):
+            if at[early][-1] < at[late][0]:
+                return (f"the sums are right, but this rank sent all {len(at[early])} "
+                        f"messages to rank {early} before the first to rank {late}: "
+                        f"{advance}")
+    if min(halves) >= world:
+        done = {right: 0, left: 0}
+        for peer in order:
+            done[peer] += 1
+            other = left if peer == right else right
+            if done[peer] >= done[other] + 2:
+                so_far = f"only {done[other]}" if done[other] else "none"
+                return (f"the sums are right, but this rank had sent {done[peer]} messages "
+                        f"to rank {peer} and {so_far} to rank {other}: {advance}")
+    return None
+
+
 def _judge_point_to_point(got, expected) -> str | None:
     traffic = got["traffic"]
     if got["collectives"]:
@@ -224,6 +336,8 @@ def _judge_point_to_point(got, expected) -> str | None:
                 "passed; what the function returns is ignored)")
     if wrong:
         return wrong
+    if "messages" in traffic:  # 03.1: two rings that turn opposite ways
+        return _judge_two_rings(traffic)
     return _judge_ring_traffic(traffic)
 
 
@@ -246,15 +360,22 @@ def _judge_number(got, expected) -> str | None:
 EXERCISES = [
     Exercise(
         key="03.1", difficulty=3, minutes=60,
-        title="a ring all-reduce from send and recv",
-        function="my_ring_all_reduce",
+        title="an all-reduce on two rings that turn opposite ways",
+        function="my_bidirectional_all_reduce",
+        # lengths no N divides; on 4 ranks, 5 elements: both halves shorter than N
         cases=[Case(f"{world} ranks, {length} elements", (length,), world)
-               for world, length in ((2, 8), (3, 7), (4, 4), (4, 2), (3, 1000))],
+               for world, length in ((2, 9), (3, 7), (4, 10), (4, 5), (3, 1000))],
         trial=_ring_trial, judge=_judge_point_to_point,
-        hint="split the tensor into world-size chunks (tensor_split allows lengths that "
-             "do not divide); N-1 steps of adding the chunk that arrives from the left, "
-             "then N-1 steps of copying; with blocking send and recv, not every rank may "
-             "send first",
+        hint=("write one ring step as a function of the step, the ring's chunks and its "
+              "neighbours (section 2's exchange, with the neighbour it sends to and the one "
+              "it receives from as arguments); in each step, start it for both halves, "
+              "then wait for both",
+              "a blocking send can wait until its receiver is ready: if every rank sends "
+              "first, nobody receives, so start both sends with isend (or "
+              "batch_isend_irecv) before receiving; the ring that turns the other way "
+              "mirrors section 2's chunk indices (where it has r - s - 1, that ring has "
+              "r + s + 1); on 2 ranks both neighbours are one rank, so receive the two "
+              "halves' chunks in the order they were sent"),
     ),
     Exercise(
         key="03.2", difficulty=2, minutes=30,
