@@ -1,6 +1,7 @@
 """Chapter 01's exercises: normalisation constants computed from a dataset, and an
 augmentation whose randomness depends on the sample alone. Both run in this process:
-the statistics are checked against a direct computation over every pixel, the
+the statistics are checked against a direct computation over every pixel, of images
+drawn afresh on every check (statistics copied from an earlier check fail), the
 augmentation by asking for each sample twice, in other orders and from other random
 states."""
 
@@ -18,16 +19,22 @@ from .core import Case, Exercise, beyond, calls_during
 
 class _Images(torch.utils.data.Dataset):
     """(image, label) samples: float images (C x H x W) in [0, 1], each with its own
-    brightness, as photos have."""
+    brightness, as photos have, drawn from ``seed``."""
 
-    def __init__(self, sizes: tuple, channels: int):
-        generator = torch.Generator().manual_seed(len(sizes) * 10 + channels)
+    def __init__(self, sizes: tuple, channels: int, seed: int):
+        generator = torch.Generator().manual_seed(seed)
         base = torch.linspace(0.3, 0.6, channels).reshape(channels, 1, 1)
+        # one brightness in each n-th of [-0.25, 0.25], the larger images the brighter: a
+        # mean that weighs every image alike is visibly off whenever the sizes differ
+        n = len(sizes)
+        by_size = sorted(range(n), key=lambda k: sizes[k][0] * sizes[k][1])
+        brightness = torch.empty(n)
+        brightness[by_size] = 0.5 * (torch.arange(n) + torch.rand(n, generator=generator)) / n
+        brightness -= 0.25
         self.samples = []
         for index, (height, width) in enumerate(sizes):
-            brightness = 0.5 * torch.rand((), generator=generator) - 0.25
             noise = 0.15 * torch.randn(channels, height, width, generator=generator)
-            self.samples.append(((base + brightness + noise).clamp(0, 1), index % 10))
+            self.samples.append(((base + brightness[index] + noise).clamp(0, 1), index % 10))
 
     def __len__(self):
         return len(self.samples)
@@ -47,7 +54,7 @@ def _as_vector(values, channels: int) -> torch.Tensor | str:
 
 
 def _stats_trial(fn, sizes: tuple, channels: int):
-    dataset = _Images(sizes, channels)
+    dataset = _Images(sizes, channels, random.SystemRandom().getrandbits(63))
     result = fn(dataset)
     # every pixel of every image, per channel: images of any size weigh by their pixels
     pixels = torch.cat([image.reshape(channels, -1) for image, _ in dataset.samples], dim=1)

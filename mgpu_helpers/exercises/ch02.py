@@ -1,17 +1,21 @@
 """Chapter 02's exercises: ``DistributedSampler`` from scratch, a collate function for
 sequences of different lengths, and an exact metric over padded shards; each checked
-against PyTorch's own (the sampler's indices, ``pad_sequence``, the true accuracy)."""
+against PyTorch's own (the sampler's indices, ``pad_sequence``, the true accuracy).
+The shuffled sampler's seed and the samples' correctness are drawn afresh on every
+check, so that indices or an accuracy copied from an earlier check fail."""
 
 from __future__ import annotations
 
 import math
 import operator
+import random
 
 import torch
+import torch.distributed as dist
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DistributedSampler
 
-from .core import Case, Exercise, as_number, beyond, calls_during
+from .core import Case, Exercise, as_number, beyond, calls_during, shared_fresh_seed
 
 
 def _show(values: list, limit: int = 12) -> str:
@@ -49,8 +53,10 @@ _SAMPLER_CODE = {getattr(DistributedSampler, name): f"DistributedSampler.{name}"
                  for name in ("__init__", "__iter__", "__len__", "set_epoch")}
 
 
-def _sampler_trial(fn, n: int, world: int, epochs: tuple, seed: int, shuffle: bool,
+def _sampler_trial(fn, n: int, world: int, epochs: tuple, seed: int | None, shuffle: bool,
                    drop_last: bool):
+    if seed is None:  # drawn afresh: a shuffle copied from an earlier check fails
+        seed = random.SystemRandom().randrange(2**31)
     expected = {}
     for epoch in epochs:
         for rank in range(world):
@@ -65,7 +71,7 @@ def _sampler_trial(fn, n: int, world: int, epochs: tuple, seed: int, shuffle: bo
                 for epoch in epochs for rank in range(world)}
 
     got, used = calls_during(_SAMPLER_CODE, readers)
-    return {"indices": got, "used": used}, expected
+    return {"indices": got, "used": used, "seed": seed if shuffle else None}, expected
 
 
 def _judge_sampler(result: dict, expected: dict) -> str | None:
@@ -73,10 +79,10 @@ def _judge_sampler(result: dict, expected: dict) -> str | None:
         return (f"your function ran torch's DistributedSampler ({result['used'][0]}): the "
                 "exercise is to compute its indices yourself, without it (directly, through "
                 "another name or a subclass)")
-    got = result["indices"]
+    got, seed = result["indices"], result["seed"]
     for (epoch, rank), want in expected.items():
         have = got[epoch, rank]
-        where = f"epoch {epoch}, rank {rank}"
+        where = f"epoch {epoch}, rank {rank}" + ("" if seed is None else f" (seed {seed})")
         if isinstance(have, str):
             return f"{where}: {have}"
         if len(have) != len(want):
@@ -92,14 +98,15 @@ def _judge_sampler(result: dict, expected: dict) -> str | None:
 
 
 def _sampler_cases() -> list[Case]:
-    # (label, n, world, epochs, seed, shuffle, drop_last)
+    # (label, n, world, epochs, seed, shuffle, drop_last); seed None: drawn afresh on
+    # each check (unshuffled, the seed changes nothing)
     table = [
         ("12 samples, 4 ranks, not shuffled", 12, 4, (0,), 0, False, False),
         ("10 samples, 4 ranks, not shuffled: padded to 12", 10, 4, (0,), 0, False, False),
-        ("11 samples, 2 ranks, shuffled, epochs 0 to 2", 11, 2, (0, 1, 2), 0, True, False),
-        ("10 samples, 4 ranks, shuffled, drop_last", 10, 4, (0, 1), 0, True, True),
-        ("3 samples, 8 ranks: more ranks than samples", 3, 8, (0,), 0, True, False),
-        ("100 samples, 3 ranks, seed 7, epochs 4 and 5", 100, 3, (4, 5), 7, True, False),
+        ("11 samples, 2 ranks, shuffled, epochs 0 to 2", 11, 2, (0, 1, 2), None, True, False),
+        ("10 samples, 4 ranks, shuffled, drop_last", 10, 4, (0, 1), None, True, True),
+        ("3 samples, 8 ranks: more ranks than samples", 3, 8, (0,), None, True, False),
+        ("100 samples, 3 ranks, epochs 4 and 5", 100, 3, (4, 5), None, True, False),
     ]
     return [Case(label, args) for label, *args in table]
 
@@ -170,11 +177,43 @@ def _judge_collate(got: list, expected: list) -> str | None:
 
 # ---------------------------------------------------------------- 02.3 exact metric
 
-def _accuracy_trial(fn, correct: tuple, shuffle: bool):
-    n = len(correct)
-    sampler = DistributedSampler(range(n), shuffle=shuffle, seed=3)  # this rank's shard
-    sampler.set_epoch(1)
-    shard = torch.tensor([float(correct[i]) for i in sampler])
+def _correct_for(n: int, shards: list[list[int]], generator: torch.Generator) -> list[int]:
+    """0 or 1 for each of the ``n`` samples, drawn from ``generator`` until every shortcut
+    is visibly wrong: the duplicates (or, without padding, the last entry of each shard)
+    are right at another rate than the whole, and where the shards' real shares differ,
+    the mean of the ranks' accuracies is not the accuracy."""
+    world = len(shards)
+    order = [shards[k % world][k // world] for k in range(world * len(shards[0]))]
+    tail = order[n:] or order[-world:]  # what a share miscounted by one gets wrong
+    shares = [[i for k, i in enumerate(order[:n]) if k % world == rank]
+              for rank in range(world)]
+    for _ in range(1000):
+        correct = torch.randint(0, 2, (n,), generator=generator).tolist()
+        right, tail_right = sum(correct), sum(correct[i] for i in tail)
+        if tail_right * n == right * len(tail):
+            continue
+        if len({len(share) for share in shares}) > 1:
+            means = sum(sum(correct[i] for i in share) / len(share) for share in shares)
+            if abs(means / world - right / n) < 1e-9:
+                continue
+        return correct
+    raise RuntimeError(f"no draw of {n} samples made every shortcut visible")
+
+
+def _accuracy_trial(fn, n: int, shuffle: bool):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # drawn afresh, the same on every rank: which samples are right, the sampler's
+    # seed and epoch
+    generator = torch.Generator().manual_seed(shared_fresh_seed())
+    seed, epoch = torch.randint(0, 2**31, (2,), generator=generator).tolist()
+    shards = []
+    for r in range(world):
+        sampler = DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=shuffle,
+                                     seed=seed)
+        sampler.set_epoch(epoch)
+        shards.append(list(sampler))
+    correct = _correct_for(n, shards, generator)
+    shard = torch.tensor([float(correct[i]) for i in shards[rank]])  # this rank's shard
     result = fn(shard, n)
     number = as_number(result)  # a float, NumPy's scalar or a one-element tensor
     return result if number is None else number, (sum(correct), n)
@@ -193,18 +232,17 @@ def _judge_accuracy(result, expected) -> str | None:
 
 
 def _accuracy_cases() -> list[Case]:
-    # 0/1 per sample; the padded duplicates (the first samples of the order) and the
-    # ranks' uneven shares make each shortcut visibly wrong
+    # which samples are right is drawn afresh (see _correct_for); the padded duplicates
+    # and the ranks' uneven shares make each shortcut visibly wrong
     table = [
-        ("11 samples on 2 ranks, not shuffled", (1, 1, 0, 1, 0, 1, 1, 0, 1, 1, 0), False, 2),
-        ("10 samples on 4 ranks, shuffled", (1, 0, 1, 1, 1, 1, 0, 1, 0, 0), True, 4),
-        ("7 samples on 3 ranks, shuffled", (0, 1, 1, 0, 1, 1, 1), True, 3),
+        ("11 samples on 2 ranks, not shuffled", 11, False, 2),
+        ("10 samples on 4 ranks, shuffled", 10, True, 4),
+        ("7 samples on 3 ranks, shuffled", 7, True, 3),
         # world_size divides the samples: no padding, and every rank's share is full
-        ("12 samples on 4 ranks, shuffled: no padding",
-         (1, 0, 1, 1, 0, 1, 1, 1, 0, 1, 1, 0), True, 4),
-        ("9 samples on 3 ranks, not shuffled: no padding", (0, 1, 1, 0, 1, 0, 1, 1, 1), False, 3),
+        ("12 samples on 4 ranks, shuffled: no padding", 12, True, 4),
+        ("9 samples on 3 ranks, not shuffled: no padding", 9, False, 3),
     ]
-    return [Case(label, (correct, shuffle), world) for label, correct, shuffle, world in table]
+    return [Case(label, (n, shuffle), world) for label, n, shuffle, world in table]
 
 
 EXERCISES = [

@@ -1,13 +1,16 @@
 """Chapter 04's exercises: DataParallel's last step (the replicas' gradients summed into
 the original module) and its first (how a batch is split between devices). Both run in
 this process, as DataParallel does: the gradients are checked against autograd's own
-sum over the chunks, the split against ``torch.chunk``, which DataParallel's scatter
-calls."""
+sum over the chunks, of a model and a batch drawn afresh on every check, the split
+against ``torch.chunk``, which DataParallel's scatter calls, for fixed sizes and for
+sizes drawn afresh on every check (so that gradients or sizes copied from an earlier
+check fail)."""
 
 from __future__ import annotations
 
 import copy
 import operator
+import random
 
 import torch
 import torch.nn.functional as F
@@ -48,12 +51,12 @@ class _Routed(nn.Module):
         return y + self.frozen(y) if self.extras else y
 
 
-def _model(kind: str) -> nn.Module:
-    # the same weights every time, drawn without touching the notebook's random state:
-    # fork_rng puts the CPU generator back, and only the CPU generator is seeded
-    # (torch.manual_seed would also reseed the GPUs')
+def _model(kind: str, seed: int) -> nn.Module:
+    # weights drawn from ``seed`` without touching the notebook's random state: fork_rng
+    # puts the CPU generator back, and only the CPU generator is seeded (torch.manual_seed
+    # would also reseed the GPUs')
     with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(4)
+        torch.default_generator.manual_seed(seed)
         if kind == "mlp":
             return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3))
         return _Routed(extras=kind == "routed with extras")
@@ -80,8 +83,9 @@ def _grads(model: nn.Module) -> dict:
 
 
 def _sum_trial(fn, kind: str, chunks: tuple, accumulated: bool):
-    generator = torch.Generator().manual_seed(len(chunks))
-    model = _model(kind)
+    draw = random.SystemRandom()  # the weights and the batch drawn afresh on every check
+    generator = torch.Generator().manual_seed(draw.getrandbits(63))
+    model = _model(kind, draw.getrandbits(63))
     inputs = _inputs(chunks, generator)
     targets = torch.randint(0, 3, (len(inputs),), generator=generator)
     if accumulated:  # gradients of an earlier micro-batch, not yet stepped on
@@ -138,7 +142,12 @@ def _judge_grads(got: dict, expected: dict) -> str | None:
 
 # ---------------------------------------------------------------- 04.2 scatter's chunks
 
-def _split_trial(fn, batch: int, devices: int):
+def _split_trial(fn, batch: int | None, devices: int | None):
+    drawn = None
+    if batch is None:  # drawn afresh: no table of copied answers holds it
+        draw = random.SystemRandom()
+        batch, devices = draw.randint(1, 512), draw.randint(2, 16)
+        drawn = f"a batch of {batch} over {devices} devices"
     result = fn(batch, devices)
     if isinstance(result, torch.Tensor):
         result = result.tolist()
@@ -148,16 +157,19 @@ def _split_trial(fn, batch: int, devices: int):
     except TypeError:
         pass
     # DataParallel's scatter calls tensor.chunk(len(device_ids)) on every input tensor
-    return result, [len(chunk) for chunk in torch.empty(batch).chunk(devices)]
+    return result, {"sizes": [len(chunk) for chunk in torch.empty(batch).chunk(devices)],
+                    "drawn": drawn}
 
 
-def _judge_split(got, expected: list) -> str | None:
+def _judge_split(got, expected: dict) -> str | None:
+    where = f"for {expected['drawn']}: " if expected["drawn"] else ""
+    expected = expected["sizes"]
     if not isinstance(got, list) or not all(
             isinstance(v, int) and not isinstance(v, bool) for v in got):
-        return f"expected a list of int batch sizes, got {got!r}"
+        return f"{where}expected a list of int batch sizes, got {got!r}"
     if got == expected:
         return None
-    difference = f"expected {expected}, got {got}"
+    difference = f"{where}expected {expected}, got {got}"
     if sum(got) != sum(expected):
         return f"{difference}: {sum(got)} samples, not {sum(expected)}"
     if len(got) != len(expected):
@@ -191,7 +203,8 @@ EXERCISES = [
         key="04.2", difficulty=1, minutes=15,
         title="how scatter splits a batch", function="chunk_sizes",
         cases=[Case(f"a batch of {batch} over {devices} devices", (batch, devices))
-               for batch, devices in ((64, 4), (65, 4), (10, 4), (6, 4), (3, 8), (1, 2))],
+               for batch, devices in ((64, 4), (65, 4), (10, 4), (6, 4), (3, 8), (1, 2))]
+        + [Case("a batch and a number of devices drawn afresh", (None, None))],
         trial=_split_trial, judge=_judge_split,
         hint="scatter splits with torch.chunk, not into equal shares: read how big "
              "torch.chunk makes each chunk, then count the chunks for a batch of 6 over 4 "

@@ -1,8 +1,11 @@
-"""Chapter 08's exercises: a checkpoint that a crash cannot destroy, and a batch plan."""
+"""Chapter 08's exercises: a checkpoint that a crash cannot destroy, and a batch plan.
+The checkpoints' contents, and one batch plan's sizes, are drawn afresh on every check,
+so that a state or a plan copied from an earlier check fails."""
 
 from __future__ import annotations
 
 import os
+import random
 import sys
 import tempfile
 import threading
@@ -102,8 +105,11 @@ def _outside(folder: Path, written: list[str], places: tuple[Path, ...]) -> list
 
 
 def _checkpoint_trial(fn, scenario: str):
-    old = {"step": 100, "weights": torch.arange(6.0)}
-    new = {"step": 200, "weights": torch.arange(6.0) * 2}
+    draw = random.SystemRandom()  # what the checkpoints hold, drawn afresh on every check
+    generator = torch.Generator().manual_seed(draw.getrandbits(63))
+    old = {"step": draw.randint(1, 10**6), "weights": torch.randn(6, generator=generator)}
+    new = {"step": old["step"] + draw.randint(1, 1000),
+           "weights": torch.randn(6, generator=generator)}
     with _elsewhere() as (folder, cwd, temp):
         path = folder / "checkpoint.pt"
         if scenario != "first save":
@@ -170,9 +176,13 @@ def _checkpoint_judge(got, expected) -> str | None:
     if not _same_state(got["state"], expected["state"]):
         if expected["scenario"] == "a save that fails":
             return ("the previous checkpoint was lost: after the failed save, checkpoint.pt "
-                    f"holds step {got['state'].get('step', '?')}, expected step 100")
-        return (f"checkpoint.pt holds step {got['state'].get('step', '?')}, expected "
-                f"step {expected['state']['step']}")
+                    f"holds step {got['state'].get('step', '?')}, expected step "
+                    f"{expected['state']['step']}")
+        step, want = got["state"].get("step", "?"), expected["state"]["step"]
+        if step == want:
+            return (f"checkpoint.pt holds step {step}, but not the state that was passed "
+                    "in: save the state you are given, as it is")
+        return f"checkpoint.pt holds step {step}, expected step {want}"
     if got["elsewhere"]:
         return (f"the save wrote {got['elsewhere'][0]}, outside the checkpoint's folder: "
                 "a temporary file elsewhere may sit on another file system (where "
@@ -188,12 +198,19 @@ def _checkpoint_judge(got, expected) -> str | None:
     return None
 
 
-def _plan_trial(fn, global_batch: int, world: int, limit: int):
+def _plan_trial(fn, global_batch: int | None, world: int | None, limit: int | None):
+    drawn = global_batch is None
+    if drawn:  # drawn afresh: no table of copied answers holds it
+        draw = random.SystemRandom()
+        world, limit = draw.randint(1, 16), draw.randint(1, 128)
+        global_batch = world * draw.randint(1, 256)
+        if world > 1 and draw.random() < 0.25:  # now and then, shares that cannot be equal
+            global_batch += draw.randint(1, world - 1)
     try:
         got = fn(global_batch, world, limit)
     except ValueError as error:
         got = ("ValueError", str(error))
-    task = {"global_batch": global_batch, "world": world, "limit": limit}
+    task = {"global_batch": global_batch, "world": world, "limit": limit, "drawn": drawn}
     if global_batch % world:
         return got, {**task, "plan": "ValueError"}
     per_rank = global_batch // world
@@ -204,17 +221,21 @@ def _plan_trial(fn, global_batch: int, world: int, limit: int):
 
 def _plan_judge(got, expected) -> str | None:
     plan = expected["plan"]
+    where = (f"for global batch {expected['global_batch']}, "
+             f"{count(expected['world'], 'rank')}, at most {expected['limit']} samples per "
+             "pass: " if expected["drawn"] else "")
     if plan == "ValueError":
         if isinstance(got, tuple) and got[:1] == ("ValueError",):
             return None
-        return (f"expected a ValueError (the global batch cannot be split evenly between "
-                f"the ranks), got {got!r}")
+        return (f"{where}expected a ValueError (the global batch cannot be split evenly "
+                f"between the ranks), got {got!r}")
     if isinstance(got, tuple) and got[:1] == ("ValueError",):
-        return f"expected {plan}, got ValueError: {got[1]}"
+        return f"{where}expected {plan}, got ValueError: {got[1]}"
     normalised = tuple(got) if isinstance(got, (tuple, list)) else got
     if normalised == plan:
         return None
-    difference = f"expected (micro-batch per rank, accumulation steps) = {plan}, got {got!r}"
+    difference = (f"{where}expected (micro-batch per rank, accumulation steps) = {plan}, "
+                  f"got {got!r}")
     numbers = [as_number(v) for v in normalised] if isinstance(normalised, tuple) else []
     if len(numbers) != 2 or None in numbers:
         return difference
@@ -246,7 +267,9 @@ EXERCISES = [
         cases=[Case(f"global batch {g}, {count(w, 'rank')}, at most {m} samples per pass",
                     (g, w, m))
                for g, w, m in ((256, 2, 64), (256, 8, 32), (96, 4, 8), (120, 8, 7),
-                               (100, 3, 64), (64, 1, 64), (28, 2, 6), (26, 2, 6))],
+                               (100, 3, 64), (64, 1, 64), (28, 2, 6), (26, 2, 6))]
+        + [Case("a global batch, a number of ranks and a limit drawn afresh",
+                (None, None, None))],
         trial=_plan_trial, judge=_plan_judge,
         hint="each rank gets global batch / world samples per step, split into equal "
              "micro-batches of at most the limit; raise ValueError when the ranks cannot "

@@ -1,6 +1,8 @@
 """Chapter 09's exercises: find the bug. Each task shows a function that hangs or silently
 computes the wrong thing on several ranks; the reader writes the fixed one, which runs on
-gloo ranks under a short timeout (a hang is a failed case)."""
+gloo ranks under a short timeout (a hang is a failed case). The losses, metrics, data and
+weights are drawn afresh on every check, the same on every rank (a seed rank 0 draws and
+broadcasts), so that a result copied from an earlier check fails."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .core import Case, Exercise, as_number, beyond
+from .core import Case, Exercise, as_number, beyond, shared_fresh_seed
 
 
 def _close(got, expected: float) -> bool:
@@ -21,14 +23,16 @@ def _close(got, expected: float) -> bool:
 
 # ---------------------------------------------------------------- 09.1 rank 0 only
 
-def _losses(counts: tuple[int, ...]) -> list[list[float]]:
-    generator = torch.Generator().manual_seed(11)
-    return [(torch.rand(count, generator=generator) * 2 + rank).tolist()
+def _losses(counts: tuple[int, ...], seed: int) -> list[list[float]]:
+    # rank r's losses lie in [3r, 3r + 1): for counts 2, 5, 1 the mean of the ranks'
+    # means is off by 0.08 at least, whatever the draw
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.rand(count, generator=generator) + 3 * rank).tolist()
             for rank, count in enumerate(counts)]
 
 
 def _mean_loss_trial(fn, counts: tuple[int, ...]):
-    losses = _losses(counts)
+    losses = _losses(counts, shared_fresh_seed())
     everything = [loss for rank_losses in losses for loss in rank_losses]
     got = fn(list(losses[dist.get_rank()]))
     return got, sum(everything) / len(everything)
@@ -51,21 +55,29 @@ def _mean_loss_judge(got, expected) -> str | None:
 _METRICS = ("loss", "accuracy", "grad_norm", "samples_per_s")
 
 
-def _rank_metrics(rank: int) -> dict[str, float]:
-    # the ranks' values sort in different orders (rank r's ascending order is the names
-    # turned by r places), so no order read off the values is the same on every rank
-    levels = (0.25, 0.75, 3.0, 900.0)
-    return {name: levels[(index + rank) % len(levels)] * (1 + 0.125 * rank)
-            for index, name in enumerate(_METRICS)}
+def _all_metrics(world: int, seed: int) -> list[dict[str, float]]:
+    """Each rank's metrics, drawn from ``seed``: four levels, each in a range of its own
+    (so always in this order), and a factor per rank. The ranks' values sort in different
+    orders (rank r's ascending order is the names turned by r places), so no order read
+    off the values is the same on every rank."""
+    generator = torch.Generator().manual_seed(seed)
+    low = torch.tensor([0.1, 0.5, 2.0, 100.0], dtype=torch.float64)
+    high = torch.tensor([0.5, 2.0, 10.0, 1000.0], dtype=torch.float64)
+    levels = (low + (high - low) * torch.rand(4, generator=generator,
+                                              dtype=torch.float64)).tolist()
+    factors = (0.5 + torch.rand(world, generator=generator, dtype=torch.float64)).tolist()
+    return [{name: levels[(index + rank) % len(levels)] * factors[rank]
+             for index, name in enumerate(_METRICS)} for rank in range(world)]
 
 
 def _metrics_trial(fn, orders_differ: bool):
     rank, world = dist.get_rank(), dist.get_world_size()
-    values = _rank_metrics(rank)
+    everyone = _all_metrics(world, shared_fresh_seed())
+    values = everyone[rank]
     shift = rank if orders_differ else 0  # the order the metrics were recorded in
     names = _METRICS[shift:] + _METRICS[:shift]
     got = fn({name: values[name] for name in names})
-    expected = {name: sum(_rank_metrics(r)[name] for r in range(world)) / world
+    expected = {name: sum(metrics[name] for metrics in everyone) / world
                 for name in _METRICS}
     return got, expected
 
@@ -83,16 +95,16 @@ def _metrics_judge(got, expected) -> str | None:
 
 # ---------------------------------------------------------------- 09.3 uneven batches
 
-def _uneven_batches(counts: tuple[int, ...]):
-    generator = torch.Generator().manual_seed(13)
+def _uneven_batches(counts: tuple[int, ...], seed: int):
+    generator = torch.Generator().manual_seed(seed)
     steps = max(counts)
     inputs = torch.randn(len(counts), steps, 4, 4, generator=generator)
     targets = torch.randn(len(counts), steps, 4, 2, generator=generator)
     return inputs, targets
 
 
-def _linear() -> nn.Module:
-    torch.manual_seed(0)
+def _linear(seed: int) -> nn.Module:
+    torch.manual_seed(seed)  # in a rank: its own process's generators
     return nn.Linear(4, 2)
 
 
@@ -100,12 +112,13 @@ def _uneven_trial(fn, counts: tuple[int, ...], lr: float = 0.1):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     rank = dist.get_rank()
-    inputs, targets = _uneven_batches(counts)
-    model = DDP(_linear())
+    seed = shared_fresh_seed()  # the data and the weights, drawn afresh on every check
+    inputs, targets = _uneven_batches(counts, seed)
+    model = DDP(_linear(seed))
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     fn(model, optimizer, [(inputs[rank, i], targets[rank, i]) for i in range(counts[rank])])
     # one process: the first min(counts) batches of every rank, together
-    single = _linear()
+    single = _linear(seed)
     single_optimizer = torch.optim.SGD(single.parameters(), lr=lr)
     for i in range(min(counts)):
         single_optimizer.zero_grad()

@@ -223,6 +223,22 @@ def calls_during(watched: dict[Callable, str], fn: Callable, *args,
     return result, seen
 
 
+def shared_fresh_seed() -> int:
+    """Inside the ranks of a case: a seed rank 0 draws from ``os.urandom`` (through
+    ``random.SystemRandom``) and broadcasts, so that every rank draws the same inputs
+    from it and no code can know them in advance. Call it before the reader's function
+    runs: a collective of the checker's, outside what the reader's code is counted by."""
+    import random
+
+    import torch
+    import torch.distributed as dist
+
+    drawn = random.SystemRandom().getrandbits(63) if dist.get_rank() == 0 else 0
+    seed = torch.tensor([drawn], dtype=torch.int64)
+    dist.broadcast(seed, src=0)
+    return int(seed.item())
+
+
 def reader_traceback(error: BaseException) -> str:
     """The traceback of ``error`` without the frames of this package (the harness, the
     launcher): what the reader's own code did."""
