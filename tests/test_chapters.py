@@ -154,15 +154,34 @@ def test_landing_page_maps_chapters_and_shows_the_report(tmp_path):
     notebook = nbformat.read(out, as_version=4)
     nbformat.validate(notebook)
     text = "\n".join(cell.source for cell in notebook.cells)
-    assert "| 00 | [Alpha](00_a.ipynb) | learn a | 37 s | not yet run on a GPU |" in text
-    assert "| 01 | [Beta](01_b.ipynb) | learn b | 2.5 min | not yet run on a GPU |" in text
-    assert ("| 02 | [Gamma](02_c.ipynb) | learn c | not measured yet (run `make notebooks`) "
-            "| not yet run on a GPU |" in text)
+    assert "| 00 | [Alpha](00_a.ipynb) | learn a | 0 min | 37 s | not yet run on a GPU |" in text
+    assert "| 01 | [Beta](01_b.ipynb) | learn b | 0 min | 2.5 min | not yet run on a GPU |" in text
+    assert ("| 02 | [Gamma](02_c.ipynb) | learn c | 0 min | not measured yet (run `make "
+            "notebooks`) | not yet run on a GPU |" in text)
     report = [c for c in notebook.cells if chapters.REPORT_TAG in c.metadata.get("tags", [])]
     assert len(report) == 1 and "Workbook plan  test" in report[0].outputs[0]["text"]
     assert "measured by `make notebooks` (a fresh kernel each, start-up included) on " \
         "2 CPUs, x86_64, no GPU." in text
     assert not list(tmp_path.glob(".*.tmp")), "the page is written atomically"
+
+
+def test_landing_page_gives_each_part_its_reading_time_and_states_the_rule(tmp_path):
+    def prose():  # 30 minutes of it
+        return new_markdown_cell(" ".join(["word"] * chapters.PROSE_WORDS_PER_MINUTE * 30))
+
+    code = new_code_cell("\n\n".join(["x = 1"] * chapters.CODE_LINES_PER_MINUTE * 10))
+    write_chapter(tmp_path / "00_a.ipynb", "# 00 · Alpha", [prose(), code], summary="a")
+    write_chapter(tmp_path / "06_b.ipynb", "# 06 · Beta", [prose()], summary="b")
+    write_chapter(tmp_path / "07_c.ipynb", "# 07 · Gamma", [prose(), prose(), prose()],
+                  summary="c")
+    found = chapters.read_chapters(tmp_path)
+    # the heading and the navigation-free first cell add a few words: 30 + 10 minutes
+    assert [round(c.reading_minutes) for c in found] == [40, 30, 90]
+    text = chapters.chapter_map(found)
+    assert f"| | **{chapters.PARTS['00']}** | | **40 min** | | |" in text
+    assert f"| | **{chapters.PARTS['06']}** | | **2.0 h** | | |" in text
+    assert "| 07 | [Gamma](07_c.ipynb) | c | 1.5 h |" in text
+    assert text.endswith(f"Reading times are estimates: {chapters.READING_RULE}.")
 
 
 def test_landing_page_links_the_appendices_and_refuses_an_untitled_one(tmp_path):

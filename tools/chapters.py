@@ -47,10 +47,26 @@ class Chapter:
     run_time_s: float | None  # measured by `execute`; None if never timed
     run_time_machine: str | None = None  # where it was measured, e.g. "2 CPUs, no GPU"
     gpu_check: dict | None = None  # the last `make gpu-check` on GPUs (record_gpu_check)
+    words: int = 0        # of prose (markdown cells)
+    code_lines: int = 0   # non-blank lines of code cells
 
     @property
     def name(self) -> str:
         return self.path.name
+
+    @property
+    def reading_minutes(self) -> float:
+        """How long reading the chapter takes, by READING_RULE."""
+        return self.words / PROSE_WORDS_PER_MINUTE + self.code_lines / CODE_LINES_PER_MINUTE
+
+
+# A reading-time estimate, stated on the landing page: prose at a technical reader's pace,
+# code slower (it is read, not skimmed); the exercises' own times are under each task.
+PROSE_WORDS_PER_MINUTE = 150
+CODE_LINES_PER_MINUTE = 15
+READING_RULE = (f"the prose at {PROSE_WORDS_PER_MINUTE} words a minute plus "
+                f"the code at {CODE_LINES_PER_MINUTE} lines a minute, without running "
+                "anything or the exercises (each task states its own time)")
 
 
 def appendices(notebooks_dir: Path) -> list[tuple[str, str]]:
@@ -91,10 +107,14 @@ def read_chapter(path: Path) -> Chapter:
     if not summary:
         raise ValueError(f'{path}: no one-line summary; set metadata["{METADATA_KEY}"]'
                          '["summary"] (shown on the landing page)')
+    words = sum(len("".join(c["source"]).split()) for c in cells
+                if c["cell_type"] == "markdown")
+    code_lines = sum(1 for c in cells if c["cell_type"] == "code"
+                     for line in "".join(c["source"]).splitlines() if line.strip())
     return Chapter(number=heading.group(1), path=path, title=heading.group(2).strip(),
                    summary=summary, run_time_s=info.get("run_time_s"),
                    run_time_machine=info.get("run_time_machine"),
-                   gpu_check=info.get("gpu_check"))
+                   gpu_check=info.get("gpu_check"), words=words, code_lines=code_lines)
 
 
 NOT_RUN_ON_GPU = "not yet run on a GPU"
@@ -346,16 +366,29 @@ PARTS = {"00": "Part I · Data and data parallelism",
          "10": "Part III · Training a language model on many GPUs"}
 
 
+def format_reading(minutes: float) -> str:
+    return f"{minutes:.0f} min" if minutes < 90 else f"{minutes / 60:.1f} h"
+
+
 def chapter_map(chapters: list[Chapter]) -> str:
-    """The chapter map as a markdown table with relative links, a row per part."""
-    rows = ["| # | chapter | what you learn | run time | GPU path |", "|---|---|---|---|---|"]
+    """The chapter map as a markdown table with relative links, a row per part with its
+    reading time (READING_RULE)."""
+    rows = ["| # | chapter | what you learn | reading | run time | GPU path |",
+            "|---|---|---|---|---|---|"]
+    parts: list[tuple[int, list[Chapter]]] = []
     for chapter in chapters:
-        if chapter.number in PARTS:
-            rows.append(f"| | **{PARTS[chapter.number]}** | | | |")
+        if chapter.number in PARTS or not parts:
+            rows.append("")  # the part's row, written once its chapters are known
+            parts.append((len(rows) - 1, []))
+        parts[-1][1].append(chapter)
         rows.append(f"| {chapter.number} | [{chapter.title}]({chapter.name}) | "
-                    f"{chapter.summary} | {format_run_time(chapter.run_time_s)} | "
-                    f"{gpu_status(chapter)} |")
-    return "\n".join(rows)
+                    f"{chapter.summary} | {format_reading(chapter.reading_minutes)} | "
+                    f"{format_run_time(chapter.run_time_s)} | {gpu_status(chapter)} |")
+    for row, members in parts:
+        title = PARTS.get(members[0].number, "Chapters")
+        total = sum(chapter.reading_minutes for chapter in members)
+        rows[row] = f"| | **{title}** | | **{format_reading(total)}** | | |"
+    return "\n".join(rows) + f"\n\nReading times are estimates: {READING_RULE}."
 
 
 def exercise_table(chapters: list[Chapter], progress: dict[str, tuple[int, int]]) -> str:
