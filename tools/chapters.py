@@ -451,7 +451,11 @@ def landing_notebook(chapters: list[Chapter], report_text: str, measured_on: str
                      "(the same as `python -m mgpu_helpers`). Re-run the cell after "
                      "changing `CUDA_VISIBLE_DEVICES` or the drivers."),
             report_cell,
-            markdown("more", "More: the README's sections on GPU nodes, clusters, conda, "
+            markdown("more", "To keep open beside the chapters: the [glossary]"
+                     "(../docs/glossary.md), the [cheat-sheet](../docs/cheatsheet.md) and "
+                     "[how the tools map](../docs/tools_map.md) (Accelerate, Lightning, "
+                     "torchtitan).\n\n"
+                     "More: the README's sections on GPU nodes, clusters, conda, "
                      "running nbval on your own notebooks, and troubleshooting "
                      "([README.md](../README.md))."),
         ],
