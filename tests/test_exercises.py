@@ -25,6 +25,15 @@ def private_progress(tmp_path, monkeypatch):
     return tmp_path / "progress.json"
 
 
+# exercises whose check runs the reader's script under torchrun (seconds per run): `slow`,
+# out of `make check`
+TORCHRUN = {"05.4"}
+
+
+def slow_if_torchrun(key, *rest):
+    return pytest.param(key, *rest, marks=[pytest.mark.slow] if key in TORCHRUN else [])
+
+
 def solutions(chapter):
     return importlib.import_module(f"solutions.ch{chapter}")
 
@@ -50,9 +59,14 @@ def test_every_exercise_has_a_key_a_reference_and_a_mistake():
     assert all(2 <= total <= 4 for _, total in per_chapter.values()), per_chapter
 
 
-@pytest.mark.parametrize("key", list(EXERCISES))
+@pytest.mark.parametrize("key", [slow_if_torchrun(key) for key in EXERCISES])
 def test_the_reference_solution_passes_every_case(key):
+    import torch
+
+    before = torch.get_rng_state()
     report = exercises.run(key, solutions(EXERCISES[key].chapter).REFERENCE[key])
+    if key in TORCHRUN:  # its check runs in this process: the reader's state is kept
+        assert torch.equal(torch.get_rng_state(), before)
     assert report.passed, "\n".join(report.lines())
     assert report.lines()[-1] == f"all {len(EXERCISES[key].cases)} cases passed"
 
@@ -66,7 +80,7 @@ def test_the_stub_is_not_attempted_yet_and_runs_nothing(key):
                          f"`{EXERCISES[key].function}`, then run this cell again)")
 
 
-ALTERNATIVES = [(key, index) for key, exercise in EXERCISES.items()
+ALTERNATIVES = [slow_if_torchrun(key, index) for key, exercise in EXERCISES.items()
                 for index in range(len(getattr(solutions(exercise.chapter), "ALTERNATIVES",
                                                {}).get(key, [])))]
 
@@ -79,8 +93,9 @@ def test_other_correct_solutions_pass_too(key, index):
     assert report.passed, "\n".join(report.lines())
 
 
+# (05.4's check runs torchrun from this process: its reference test checks the state too)
 IN_PROCESS = [key for key, exercise in EXERCISES.items()
-              if any(case.world == 0 for case in exercise.cases)]
+              if any(case.world == 0 for case in exercise.cases) and key not in TORCHRUN]
 
 
 @pytest.mark.parametrize("key", IN_PROCESS)
@@ -141,7 +156,8 @@ def test_as_number_takes_numpy_scalars_and_one_element_tensors():
 
 
 # a mistake that hangs waits for the whole (quick) timeout: `slow`, out of `make check`
-MISTAKES = [pytest.param(key, index, marks=[pytest.mark.slow] if status == "hang" else [])
+MISTAKES = [pytest.param(key, index, marks=[pytest.mark.slow]
+                         if status == "hang" or key in TORCHRUN else [])
             for key, exercise in EXERCISES.items()
             for index, (_, status, _) in enumerate(
                 solutions(exercise.chapter).MISTAKES.get(key, []))]
