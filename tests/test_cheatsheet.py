@@ -47,7 +47,7 @@ def test_the_sheet_shows_both_templates_exactly_as_the_files_are():
 
 @pytest.mark.parametrize("name", TEMPLATES)
 def test_each_template_fits_on_the_page(name):
-    assert len(TEMPLATES[name].read_text().splitlines()) < 70
+    assert len(TEMPLATES[name].read_text().splitlines()) <= 72
 
 
 def variable_rows() -> list[tuple[str, list[str]]]:

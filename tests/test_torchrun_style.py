@@ -133,3 +133,38 @@ print("replicas agree:", torch.equal(first, second))
 @pytest.mark.slow
 def test_torchrun_style_function_defined_in_a_notebook_cell(tmp_path):
     assert run_cells(tmp_path, TORCHRUN_CELL)[0].strip() == "replicas agree: True"
+
+
+def _ddp_in_a_reference_cycle(kept):
+    import weakref
+
+    model = DDP(torch.nn.Linear(4, 2))
+    model(torch.ones(2, 4)).sum().backward()  # the reducer holds this step's work
+    holder = {"model": model}
+    holder["self"] = holder  # a cycle, as DDP's hooks and reducer make one
+    kept.append(weakref.ref(model))
+    return dist.get_rank()
+
+
+def test_in_place_the_group_and_ddp_are_freed_before_the_function_returns(monkeypatch):
+    # Under torchrun the launcher runs the function in this process; DDP objects held in
+    # reference cycles keep gloo's group, whose threads must end while Python is whole
+    # (freed at shutdown, a worker thread aborted the process in 2 torchrun runs of 40).
+    import socket
+
+    from mgpu_helpers.cluster import ClusterRank
+    from mgpu_helpers.launcher.in_place import run_in_this_process
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+                        "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    kept = []
+    cluster = ClusterRank("torchrun", rank=0, world_size=1, local_rank=0, init_method="env://")
+    assert run_in_this_process(_ddp_in_a_reference_cycle, (kept,), {}, cluster, "gloo",
+                               30.0) == 0
+    assert not dist.is_initialized()
+    assert kept[0]() is None, "the DDP model (and the group it holds) is still alive"

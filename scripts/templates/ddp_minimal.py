@@ -1,5 +1,6 @@
 """Minimal DDP training. Run: torchrun --standalone --nproc-per-node N ddp_minimal.py"""
 
+import gc
 import hashlib
 import os
 import sys
@@ -63,3 +64,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # gloo: free the group that DDP/FSDP hold in cycles before Python shuts down

@@ -1,5 +1,6 @@
 """Minimal FSDP2 training. Run: torchrun --standalone --nproc-per-node N fsdp2_minimal.py"""
 
+import gc
 import os
 import sys
 
@@ -67,3 +68,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # gloo: free the group that DDP/FSDP hold in cycles before Python shuts down
