@@ -208,10 +208,15 @@ def test_landing_page_counts_the_exercises_passed_per_chapter(tmp_path):
 
 @pytest.mark.slow
 def test_execute_stores_outputs_and_run_time_and_keeps_a_failing_notebook(tmp_path):
-    good = write_chapter(tmp_path / "00_ok.ipynb", "# 00 · Ok", [new_code_cell("print(6 * 7)")])
+    bar = ("import sys\nprint(6 * 7, flush=True)\n"
+           "for k in range(1, 4):  # a progress bar's redraws, as the launcher relays them\n"
+           "    print(f'[rank 0] {k}/3', end='\\r', flush=True)\nprint('[rank 0] done')")
+    good = write_chapter(tmp_path / "00_ok.ipynb", "# 00 · Ok", [new_code_cell(bar)])
     times = chapters.execute([good])
     stored = json.loads(good.read_text())
-    assert "".join(stored["cells"][1]["outputs"][0]["text"]) == "42\n"
+    # the stream stored once, the bar as its last state: not one line per redraw
+    assert len(stored["cells"][1]["outputs"]) == 1
+    assert "".join(stored["cells"][1]["outputs"][0]["text"]) == "42\n[rank 0] done\n"
     assert stored["metadata"]["workbook"]["run_time_s"] == round(times["00_ok.ipynb"], 1) > 0
     assert stored["metadata"]["workbook"]["summary"] == "A line"  # the rest is kept
     assert re.fullmatch(r"\d+ CPUs, \w+, (no GPU|\d+ GPUs?)",

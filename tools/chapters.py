@@ -512,7 +512,7 @@ def execute(paths: list[Path], timeout: int = 600) -> dict[str, float]:
     fails is left as it was (nothing stored), and the error names the cell.
     """
     import nbformat
-    from nbconvert.preprocessors import ExecutePreprocessor
+    from nbconvert.preprocessors import CoalesceStreamsPreprocessor, ExecutePreprocessor
 
     times = {}
     for path in map(Path, paths):
@@ -523,6 +523,9 @@ def execute(paths: list[Path], timeout: int = 600) -> dict[str, float]:
         start = time.perf_counter()
         runner.preprocess(notebook, {"metadata": {"path": str(path.parent)}})
         seconds = time.perf_counter() - start
+        # one stream output per run of prints, a progress bar's redraws (\r) kept as its
+        # last state: what the reader saw, not every update (nbval compares the same way)
+        CoalesceStreamsPreprocessor().preprocess(notebook, {})
         _stamp_run_time(notebook.metadata, seconds)
         _write_notebook(path, dict(notebook))
         print(f"[chapters] {path.name}: {seconds:.1f} s", flush=True)
