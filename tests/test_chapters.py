@@ -99,7 +99,8 @@ def test_navigation_links_neighbours_and_helpers(tmp_path):
     found = chapters.read_chapters(tmp_path)
     assert chapters.navigation(found, 0) == (
         "**Navigate** · Next: [01 · Middle](01_c.ipynb) · Helpers used: "
-        "[`seeding.py`](../mgpu_helpers/seeding.py) · Run time: 36 s on 2 CPUs, x86_64, no GPU")
+        "[`seeding.py`](../mgpu_helpers/seeding.py) · Run time: 36 s on 2 CPUs, x86_64, no GPU"
+        " · Terms: [glossary](../docs/glossary.md)")
     assert "Run time" not in chapters.navigation(found, 1)  # never measured: nothing claimed
     assert "Previous: [00 · Start](00_c.ipynb) · Next: [02 · End](02_c.ipynb)" in (
         chapters.navigation(found, 1))

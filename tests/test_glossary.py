@@ -13,6 +13,7 @@ non-ASCII character, no space), so that the one link works in both.
 import html
 import json
 import re
+import sys
 from pathlib import Path
 from urllib.parse import quote
 
@@ -321,3 +322,17 @@ def test_anchor_rule_agrees_with_a_markdown_renderer():
                     text = html.unescape(re.sub(r"<[^>]+>", "", match.group(2)))
                     rendered.append(text.replace(" ", "-"))
         assert notebook_anchors(notebook) == rendered, notebook.name
+
+
+def test_each_key_terms_first_use_in_the_main_line_links_its_entry():
+    sys.path.insert(0, str(ROOT / "tools"))
+    import glossary_links
+
+    anchors = set(re.findall(r"<a id=\"(term-[a-z0-9-]+)\"></a>", GLOSSARY.read_text()))
+    uses = glossary_links.first_uses(ROOT / "notebooks")
+    assert {anchor for _, anchor in glossary_links.TERMS} <= anchors
+    assert len(uses) >= 20, sorted(uses)
+    for anchor, use in uses.items():
+        assert use.linked_to == f"../docs/glossary.md#{anchor}", (
+            f"{use.path.name}, cell {use.cell}: the first use of {use.text!r} is not linked "
+            "to the glossary; run `python tools/glossary_links.py`")

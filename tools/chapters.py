@@ -36,6 +36,8 @@ LANDING_NAME = "start_here.ipynb"
 REPORT_TAG = "environment-report"
 # The navigation line under each chapter's heading starts with this (see `navigation`).
 NAV_PREFIX = "**Navigate** · "
+# The glossary, from a chapter (notebooks/): every navigation line links it.
+GLOSSARY_LINK = "../docs/glossary.md"
 
 
 @dataclass(frozen=True)
@@ -252,6 +254,7 @@ def navigation(chapters: list[Chapter], index: int) -> str:
     if chapter.run_time_s is not None:
         where = f" on {chapter.run_time_machine}" if chapter.run_time_machine else ""
         parts.append(f"Run time: {format_run_time(chapter.run_time_s)}{where}")
+    parts.append(f"Terms: [glossary]({GLOSSARY_LINK})")
     return NAV_PREFIX + " · ".join(parts)
 
 
