@@ -145,3 +145,81 @@ def test_the_step_collectives_timed_alone_and_the_cost_model_fitted():
     assert result["traffic seconds"] > 0 and result["step seconds"] > 0
     alpha, bandwidth = result["alpha, bandwidth"]
     assert alpha > 0 and bandwidth > 0
+
+
+# ------------------------------------------- chapter 07's meters (labs.fsdp_meters)
+
+
+def _metered(kind):
+    """Section 1's training of chapter 07, on a small model, under the step meter."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from mgpu_helpers.labs.fsdp_meters import StepMeter
+
+    model = memory.feed_forward_blocks(16, 2)
+    if kind == "FSDP":
+        mesh = init_device_mesh("cpu", (2,))
+        for block in model:
+            fully_shard(block, mesh=mesh)
+        model = fully_shard(model, mesh=mesh)
+    else:
+        model = DDP(model, gradient_as_bucket_view=kind == "DDP, bucket views")
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    meter = StepMeter(model, optimizer, activations=kind == "DDP")
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(8, 16, generator=generator)
+        with meter.step():
+            optimizer.zero_grad()
+            F.mse_loss(model(x), x).backward()
+            optimizer.step()
+    return meter.report()
+
+
+@pytest.mark.parametrize("kind", ["DDP", "DDP, bucket views", "FSDP"])
+def test_the_step_meter_counts_what_each_kind_of_state_holds(kind):
+    result = launch(_metered, kind, nprocs=2, backend="gloo")
+    held, parameters = result["memory"], 4 * (2 * (16 * 64 + 64 + 64 * 16 + 16))
+    assert len(result["weights"]) == result["gradients"] == 8 and result["seconds"] > 0
+    share = 2 if kind == "FSDP" else 1  # FSDP2 keeps half of everything on 2 ranks
+    assert held["parameters"] == held["gradients"] == parameters // share
+    assert held["optimizer state"] == 2 * parameters // share  # Adam's two moments
+    if kind == "DDP":  # buckets: a second copy, and activations measured
+        assert held["bucket buffers"] == parameters and result["gradients in a bucket"] == 0
+        assert held["activations (peak)"] >= 8 * 64 * 4  # at least one hidden activation
+    else:
+        assert held["bucket buffers"] == 0 and held["activations (peak)"] == 0
+        assert result["gradients in a bucket"] == (8 if kind == "DDP, bucket views" else 0)
+    assert [tuple(w.shape) for w in result["weights"]][:2] == [(64, 16), (64,)]  # full
+
+
+def test_the_step_meter_refuses_a_report_before_any_step():
+    from mgpu_helpers.labs.fsdp_meters import StepMeter
+
+    model = memory.feed_forward_blocks(4, 1)
+    with pytest.raises(RuntimeError, match="found no step"):
+        StepMeter(model, torch.optim.Adam(model.parameters())).report()
+
+
+def _collectives_of_a_gather():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from mgpu_helpers.labs.fsdp_meters import CollectivesSeen
+
+    mesh = init_device_mesh("cpu", (2,))
+    sharded = distribute_tensor(torch.arange(12.0).reshape(6, 2), mesh, [Shard(0)])
+    unseen = sharded.full_tensor()  # outside the mode: not recorded
+    with CollectivesSeen() as seen:
+        full = sharded.full_tensor()
+    return seen.calls, torch.equal(full, unseen)
+
+
+def test_collectives_seen_records_what_dtensor_runs_inside_it_only():
+    calls, same = launch(_collectives_of_a_gather, nprocs=2, backend="gloo")
+    assert same
+    # one all-gather of this rank's (3, 2) float32 shard: 24 bytes in
+    assert calls == [("all_gather_into_tensor", 24)]

@@ -15,6 +15,8 @@ by the core helpers (a test checks the direction).
 * :mod:`.recompute`: chapter 07's activation checkpointing, full and selective;
 * :mod:`.mesh2d`: chapter 07's 2-D mesh, FSDP across and tensor parallelism within;
 * :mod:`.memory`: chapter 07's memory at rest, at the peak and in traffic, DDP to FSDP2;
+* :mod:`.fsdp_meters`: chapter 07's meters (step time, activations, bucket bytes) and the
+  collectives an FSDP2 step runs, so that its cells show only the calls they teach;
 * :mod:`.ablation`: chapter 08's ablation, judged against an A/A noise band;
 * :mod:`.compiled_ddp`: chapter 08's ``torch.compile`` of a DDP model, one graph per bucket;
 * :mod:`.debug_labs`: chapter 09's broken-and-fixed distributed programs, a module a topic:

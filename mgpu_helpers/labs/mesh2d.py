@@ -1,12 +1,13 @@
 """Chapter 07's 2-D device mesh: FSDP across one dimension, tensor parallelism across
-the other, on 4 ranks.
+the other, on 4 ranks: the training and the comparison around the chapter's set-up.
 
-The ranks form a 2 x 2 grid, ``ParallelDims(fsdp=2, tp=2)``. Along ``"tp"`` (the ranks
-of one row), a feed-forward block's two linear layers are split column- and row-wise, as
-in chapter 07's tensor parallelism; along ``"fsdp"`` (the ranks of one column), the
-resulting shards are sharded again by FSDP2, and each row trains on its own half of the
-batch. On a real cluster the ``"tp"`` dimension lies inside a node (NVLink) and
-``"fsdp"`` across nodes.
+The chapter builds a 2 x 2 mesh with dimensions ``("dp", "tp")``, splits a feed-forward
+block (:func:`block`) column- and row-wise along ``"tp"`` (the ranks of one row) with
+``parallelize_module``, and shards the pieces again along ``"dp"`` (the ranks of one
+column) with ``fully_shard``. :func:`train_and_compare` trains it, each row on its own
+half of the batch, next to the unsplit block trained on the whole batch, and reports
+what each rank holds. On a real cluster ``"tp"`` lies inside a node (NVLink) and
+``"dp"`` across nodes.
 """
 
 from __future__ import annotations
@@ -17,15 +18,13 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-from ..topology import ParallelDims
 
 WIDTH = 16
+DIMS = ("dp", "tp")
 
 
-def _block() -> nn.Sequential:
+def block() -> nn.Sequential:
+    """``Linear(16, 64) -> ReLU -> Linear(64, 16)``, the same weights at every call."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.ReLU(), nn.Linear(4 * WIDTH, WIDTH))
 
@@ -36,29 +35,31 @@ def _global_batch(step: int, size: int = 8) -> tuple[torch.Tensor, torch.Tensor]
             torch.randn(size, WIDTH, generator=generator))
 
 
-def fsdp_and_tp(steps: int = 2, lr: float = 0.1) -> dict:
-    """Inside one of 4 ranks: the block trained ``steps`` SGD steps on a (fsdp=2, tp=2)
-    mesh, and the unsplit block trained on the whole batch in this process. Returns this
+def train_and_compare(model: nn.Module, reference: nn.Module, mesh, steps: int = 2,
+                      lr: float = 0.1) -> dict:
+    """Inside one of the mesh's ranks: train ``model`` (split over ``mesh``, whose
+    dimensions are ``("dp", "tp")``) for ``steps`` SGD steps, this row's half of each
+    batch, and ``reference`` (unsplit) on the whole batch in this process. Returns this
     rank's mesh coordinates, each parameter's placements and local shape, and the
     largest difference between the full 2-D-sharded weights and the unsplit ones."""
+    if tuple(mesh.mesh_dim_names or ()) != DIMS:
+        raise ValueError(f"train_and_compare needs a mesh with dimensions {DIMS}, got "
+                         f"{mesh.mesh_dim_names}: build it with init_device_mesh(..., "
+                         f"mesh_dim_names={DIMS})")
     with warnings.catch_warnings():
         # FSDP2 warns that the block returns a view, which an in-place op would detach
         # from its backward hook; nothing here changes the output in place
         warnings.filterwarnings("ignore", message=".*returned a view tensor")
-        return _train_and_compare(steps, lr)
+        return _train_and_compare(model, reference, mesh, steps, lr)
 
 
-def _train_and_compare(steps: int, lr: float) -> dict:
-    mesh = ParallelDims(fsdp=2, tp=2).build_mesh("cpu")
-    model, reference = _block(), _block()
-    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    fully_shard(model, mesh=mesh["fsdp"])
+def _train_and_compare(model, reference, mesh, steps: int, lr: float) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
-    row = mesh["fsdp"].get_local_rank()
+    row, rows = mesh["dp"].get_local_rank(), mesh["dp"].size()
     for step in range(steps):
         inputs, targets = _global_batch(step)
-        mine = slice(row * len(inputs) // 2, (row + 1) * len(inputs) // 2)
+        mine = slice(row * len(inputs) // rows, (row + 1) * len(inputs) // rows)
         optimizer.zero_grad()
         F.mse_loss(model(inputs[mine]), targets[mine]).backward()
         optimizer.step()

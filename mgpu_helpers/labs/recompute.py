@@ -1,43 +1,30 @@
 """Chapter 07's activation checkpointing: store less in forward, recompute in backward.
 
-:func:`checkpointed_step` runs one forward and backward pass of the seed CNN's
-convolutional part (two convolutions with their ReLUs, then pooling) and its classifier,
-with the convolutional part run three ways: storing every activation autograd wants
-("none"), storing only its input and recomputing the rest in backward ("full"), or
-storing the convolutions' outputs and recomputing only the cheap ReLUs and pooling
-("selective", through a checkpoint policy). It measures what autograd keeps from the
-forward pass to the backward pass, the gradients, and how many convolutions ran.
+:func:`checkpointed_step` runs one forward and backward pass of the seed CNN: its
+convolutional part (two convolutions with their ReLUs, then pooling), run by the
+caller's function (plainly, or under ``torch.utils.checkpoint``, as the chapter writes
+it), then its classifier. It measures what autograd keeps from the forward pass to the
+backward pass, the gradients, and how many convolutions ran again in backward.
 
-What each mode keeps of the convolutional part, for a batch of 32: "none" the input
+What each way keeps of the convolutional part, for a batch of 32: plainly, the input
 images, both ReLUs' outputs (8 MiB each; ReLU's backward needs its output, and the next
-layer's input is the same tensor) and the pooling's int64 indices (4 MiB); "full" only
-the input; "selective" the input and both convolutions' outputs (the same 8 MiB each, in
-place of the ReLUs'), recomputing the ReLUs and the pooling, so it saves the indices.
+layer's input is the same tensor) and the pooling's int64 indices (4 MiB); full
+checkpointing only the input; selective checkpointing that keeps the convolutions'
+outputs, the input and those outputs (the same 8 MiB each, in place of the ReLUs'),
+recomputing the ReLUs and the pooling, so it saves the indices.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
 
 from ..memory import ActivationMeter
 from ..models import SeedCNN
-
-MODES = ("none", "full", "selective")
-
-
-def _save_convolutions(ctx, op, *args, **kwargs):
-    if op == torch.ops.aten.convolution.default:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class _ConvolutionCounter(TorchDispatchMode):
@@ -58,29 +45,24 @@ def _features(model: SeedCNN, x: torch.Tensor) -> torch.Tensor:
     return torch.flatten(F.max_pool2d(x, 2), 1)
 
 
-def checkpointed_step(mode: str, batch_size: int = 32, seed: int = 0) -> dict:
-    """One forward and backward pass; see the module's docstring. Returns the peak bytes
-    autograd kept (the region's input, which the checkpoint keeps a reference to, counts
-    once, as in "none", where the first convolution saves it), the gradients, and the
-    convolutions run again in backward."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+def checkpointed_step(run_region: Callable, batch_size: int = 32, seed: int = 0) -> dict:
+    """One forward and backward pass; see the module's docstring. ``run_region(region,
+    images)`` must return ``region(images)``, the convolutional part's output, computed
+    as it likes. Returns the peak bytes autograd kept (the region's input, which a
+    checkpoint keeps a reference to, counts once, as without one, where the first
+    convolution saves it), the gradients, and the convolutions run again in backward."""
+    if not callable(run_region):
+        raise TypeError(f"run_region must be a function (region, images) -> features, got "
+                        f"{type(run_region).__name__}: pass the function itself, not its "
+                        "result")
     torch.manual_seed(seed)
     model = SeedCNN()
     generator = torch.Generator().manual_seed(seed)
     images = torch.randn(batch_size, 3, 32, 32, generator=generator)
     labels = torch.randint(0, 10, (batch_size,), generator=generator)
-    features = functools.partial(_features, model)
+    region = functools.partial(_features, model)
     with ActivationMeter(exclude=model.parameters()) as meter:
-        if mode == "none":
-            x = features(images)
-        elif mode == "full":
-            x = checkpoint(features, images, use_reentrant=False)
-        else:
-            contexts = functools.partial(create_selective_checkpoint_contexts,
-                                         _save_convolutions)
-            x = checkpoint(features, images, use_reentrant=False, context_fn=contexts,
-                           respect_saved_tensors_hooks=True)
+        x = run_region(region, images)
         loss = F.cross_entropy(model.fc2(F.relu(model.fc1(x))), labels)
     with _ConvolutionCounter() as recomputed:
         loss.backward()
