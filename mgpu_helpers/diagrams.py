@@ -334,35 +334,35 @@ def fsdp_schedule(units: int = 3, comm: float = 0.6,
                          f"{reshard_after_forward!r}")
     spans: list[Span] = []
     gathered_from: dict[int, float] = {}
-    compute_free = gather_free = 0.0
+    free = {"gather": 0.0, "compute": 0.0, "reduce": 0.0}  # when each stream is next free
     previous_compute_start = 0.0
-    for unit in range(units):
-        start = max(gather_free, previous_compute_start)
-        gathered_from[unit] = start
-        gather_free = start + comm
-        spans.append(Span("all-gather", unit, start, gather_free))
-        begin = max(gather_free, compute_free)
-        compute_free = begin + FORWARD_UNITS
-        spans.append(Span("forward", unit, begin, compute_free))
-        previous_compute_start = begin
-        if reshard_after_forward:
-            spans.append(Span("held", unit, gathered_from.pop(unit), compute_free))
-    reduce_free = 0.0
-    previous_compute_start = compute_free  # backward's first all-gather waits for the loss
-    for unit in reversed(range(units)):
-        if reshard_after_forward:
-            start = max(gather_free, previous_compute_start)
+
+    def gather_then_compute(unit: int, kind: str, duration: float, gather: bool) -> None:
+        # the all-gather starts once its stream is free and the previous unit computes
+        # (the prefetch); the compute once the weights are there and the last one is done
+        nonlocal previous_compute_start
+        if gather:
+            start = max(free["gather"], previous_compute_start)
             gathered_from[unit] = start
-            gather_free = start + comm
-            spans.append(Span("all-gather", unit, start, gather_free))
-        begin = max(gather_free, compute_free)
-        compute_free = begin + BACKWARD_UNITS
-        spans.append(Span("backward", unit, begin, compute_free))
+            free["gather"] = start + comm
+            spans.append(Span("all-gather", unit, start, free["gather"]))
+        begin = max(free["gather"], free["compute"])
+        free["compute"] = begin + duration
+        spans.append(Span(kind, unit, begin, free["compute"]))
         previous_compute_start = begin
-        spans.append(Span("held", unit, gathered_from.pop(unit), compute_free))
-        start = max(compute_free, reduce_free)
-        reduce_free = start + comm
-        spans.append(Span("reduce-scatter", unit, start, reduce_free))
+
+    for unit in range(units):
+        gather_then_compute(unit, "forward", FORWARD_UNITS, gather=True)
+        if reshard_after_forward:
+            spans.append(Span("held", unit, gathered_from.pop(unit), free["compute"]))
+    previous_compute_start = free["compute"]  # backward's first all-gather waits for the loss
+    for unit in reversed(range(units)):
+        gather_then_compute(unit, "backward", BACKWARD_UNITS, gather=reshard_after_forward)
+        spans.append(Span("held", unit, gathered_from.pop(unit), free["compute"]))
+        start = max(free["compute"], free["reduce"])
+        free["reduce"] = start + comm
+        spans.append(Span("reduce-scatter", unit, start, free["reduce"]))
+    compute_free, reduce_free = free["compute"], free["reduce"]
     step = max(compute_free, reduce_free)
     spans.append(Span("optimizer", -1, step, step + OPTIMIZER_UNITS))
     return tuple(spans)
