@@ -1,6 +1,6 @@
 """Does chapter 05's "at least 90% test accuracy" hold on other CPUs and seeds?
 
-Chapter 05 trains the seed CNN with `DigitsRun()` (4 epochs, global batch 64, 2 CPU
+Chapter 05 trains the tutorial CNN with `DigitsRun()` (4 epochs, global batch 64, 2 CPU
 ranks without GPUs) and asserts a test accuracy of at least 90%. This trains the same
 run for several seeds under each of PyTorch's CPU kernel sets (`ATEN_CPU_CAPABILITY`:
 this machine's best, `avx2`, `default`, which stand in for other CPUs), each set in a

@@ -4,7 +4,7 @@ On 2 gloo CPU ranks: `dist.all_reduce`, `all_gather_single` and `reduce_scatter_
 timed for float32 tensors of 64 B to 64 MiB (`mgpu_helpers.labs.collectives`); the model
 t = alpha * 2(N-1) + 2(N-1)/N * bytes / bandwidth fitted to the all-reduce times up to
 16 MiB only. Then the fit predicts, out of sample: the 64 MiB all-reduce, the all-reduce of
-the seed CNN's gradients as DDP buckets them (read from DDP itself), the all-gathers and
+the tutorial CNN's gradients as DDP buckets them (read from DDP itself), the all-gathers and
 reduce-scatters (half the ring: N-1 steps, (N-1)/N of the bytes), and all-reduces on 3 and
 4 ranks. Chapter 03 checks the stored run's errors. Writes allreduce_cost.{json,png}.
 Run: `make bench` or `python benchmarks/allreduce_cost.py --repeats 5`.

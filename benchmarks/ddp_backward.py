@@ -1,7 +1,7 @@
 """DDP's gradient all-reduce inside backward, against the cost model and against itself alone.
 
 On 2 gloo CPU ranks, in one run: the all-reduce cost model of chapter 03 fitted again
-(`mgpu_helpers.labs.collectives`); the seed CNN's DDP buckets all-reduced on their own,
+(`mgpu_helpers.labs.collectives`); the tutorial CNN's DDP buckets all-reduced on their own,
 with nothing else running; then DDP training steps whose communication hook times each
 bucket's all-reduce inside backward (`mgpu_helpers.labs.ddp_internals.backward_timeline`),
 and the same steps with a hook that exchanges nothing. Chapter 05 checks its claims about
@@ -90,7 +90,7 @@ def main() -> None:
     ax.barh([name for name, _ in rows], [s * 1e3 for _, s in rows],
             color=["C0", "C1", "C2", "C7"])
     ax.invert_yaxis()
-    ax.set(xlabel="ms (median)", title=f"Seed CNN, batch 32, {WORLD} gloo ranks "
+    ax.set(xlabel="ms (median)", title=f"Tutorial CNN, batch 32, {WORLD} gloo ranks "
                                        f"({os.cpu_count()} CPUs)")
     ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()

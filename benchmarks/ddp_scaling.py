@@ -1,4 +1,4 @@
-"""DDP weak scaling of the seed CNN's training on this machine, all setups in one run.
+"""DDP weak scaling of the tutorial CNN's training on this machine, all setups in one run.
 
 Setups (the chapter 05 pipeline each time: DistributedSampler, augmenting DataLoader,
 DDP, train_one_epoch with global metrics; the same samples per rank and batch per rank):

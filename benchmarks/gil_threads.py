@@ -1,4 +1,4 @@
-"""A second Python thread on a forward pass: the seed CNN against a tiny MLP, in one run.
+"""A second Python thread on a forward pass: the tutorial CNN against a tiny MLP, in one run.
 
 Chapter 04's claim: DataParallel's threads share one GIL, so a second thread speeds up
 big convolutions (PyTorch releases the GIL inside them) and does not speed up many tiny

@@ -8,7 +8,7 @@ Two loaders over the digits training set with chapter 02's augmentation:
   ``prefetch_factor=4``, and pinned memory when a GPU exists.
 
 For each: images/s when only loading, and the data-wait fraction while training the
-seed CNN (time the loop spends waiting for the next batch / total step time).
+tutorial CNN (time the loop spends waiting for the next batch / total step time).
 Writes loader_throughput.{json,png}.
 Run: `make bench` or `python benchmarks/loader_throughput.py --steps 20`.
 """
@@ -62,7 +62,7 @@ def loading_rate(loader: DataLoader, epochs: int) -> float:
 
 
 def data_wait_fraction(loader: DataLoader, steps: int) -> tuple[float, float]:
-    """Train the seed CNN for ``steps`` steps; return (wait fraction, mean step seconds)."""
+    """Train the tutorial CNN for ``steps`` steps; return (wait fraction, mean step seconds)."""
     torch.manual_seed(0)
     model = SeedCNN()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -123,7 +123,7 @@ def main() -> None:
     ax_wait.bar(names, [100 * result["loaders"][n]["data_wait_fraction"] for n in names],
                 color=["C7", "C0"])
     ax_wait.axhline(5, color="C3", linestyle="--", label="5% target")
-    ax_wait.set(ylabel="% of step waiting for data", title="While training the seed CNN")
+    ax_wait.set(ylabel="% of step waiting for data", title="While training the tutorial CNN")
     ax_wait.legend()
     fig.tight_layout()
     fig.savefig(RESULTS / "loader_throughput.png", dpi=120)

@@ -1,4 +1,4 @@
-"""Chapter 05's DDP training run of the seed CNN on the digits, shared with the script.
+"""Chapter 05's DDP training run of the tutorial CNN on the digits, shared with the script.
 
 :func:`train_digits` is what one rank runs: join the group (done by ``launch``), build a
 ``DistributedSampler``, wrap the model in ``DistributedDataParallel``, train with

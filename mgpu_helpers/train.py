@@ -1,6 +1,6 @@
 """Training and evaluation loops with global metrics, and checkpoints that resume exactly.
 
-The seed's ``train``/``test`` loops report each rank's own loss and accuracy, so two
+The original tutorial's ``train``/``test`` loops report each rank's own loss and accuracy, so two
 ranks print two different "accuracies", and evaluating through ``DistributedSampler``
 counts its padded duplicates. Here every metric is summed across ranks before it is
 reported (every rank returns the same global numbers), and :func:`evaluate` shards the

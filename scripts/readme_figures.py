@@ -4,7 +4,7 @@
 
 * ``augmentation_grid.png`` and ``augmentation_photo.png``: chapter 01's label-preserving
   digit augmentation (the one chapter 05 trains with, ``mgpu_helpers.recipe.AUGMENT``) and
-  the seed's photo pipeline, drawn by ``mgpu_helpers.viz.augmentation_grid``;
+  the original tutorial's photo pipeline, drawn by ``mgpu_helpers.viz.augmentation_grid``;
 * ``sampler_{without,with}_set_epoch.png``: chapter 02's picture of ``DistributedSampler``
   on 2 ranks, with and without ``set_epoch``, drawn by ``mgpu_helpers.viz.sampler_partitions`` from
   orders that 2 real ranks drew (``mgpu_helpers.launch``).
@@ -47,7 +47,7 @@ def augmentation_figures(out_dir: Path) -> list[Path]:
     digit_grid = viz.augmentation_grid(two, AUGMENT, draws=7, seed=SEED,
                                        title="chapter 05's training augmentation on a digit")
     photo_grid = viz.augmentation_grid(photo, photo_pipeline, draws=7, seed=SEED,
-                                       title="the seed's pipeline on a photo")
+                                       title="the original tutorial's pipeline on a photo")
     paths = [out_dir / "augmentation_grid.png", out_dir / "augmentation_photo.png"]
     for figure, path in zip((digit_grid, photo_grid), paths, strict=True):
         figure.savefig(path, dpi=100, bbox_inches="tight")

@@ -1,4 +1,4 @@
-"""Train the seed CNN on the digits with DDP: from a shell, under torchrun, or in SLURM.
+"""Train the tutorial CNN on the digits with DDP: from a shell, under torchrun, or in SLURM.
 
     python scripts/train_ddp.py --nprocs 2                        # launches 2 ranks itself
     torchrun --standalone --nproc-per-node 2 scripts/train_ddp.py # one node

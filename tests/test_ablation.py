@@ -56,7 +56,7 @@ def test_the_control_runs_half_a_round_after_the_baseline():
 def test_the_tuned_run_keeps_ddp_default_buckets_and_the_variant_uses_one_big_one():
     assert ablation.TUNED.bucket_cap_mb == 25 == TrainingOptions().bucket_cap_mb
     big = ablation.ddp_option_variants()["without overlap (one 100 MB bucket)"]
-    # larger than all the seed CNN's gradients (32.2 MiB): a single bucket
+    # larger than all the tutorial CNN's gradients (32.2 MiB): a single bucket
     assert big.bucket_cap_mb * 2**20 > 8_432_970 * 4
 
 

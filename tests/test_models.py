@@ -1,4 +1,4 @@
-"""The seed CNN: shapes, size, and a clear error for the wrong image size."""
+"""The tutorial CNN: shapes, size, and a clear error for the wrong image size."""
 
 import pytest
 import torch

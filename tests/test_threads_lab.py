@@ -37,7 +37,7 @@ def test_measure_reports_every_round_and_the_median():
         rounds=2, repeats=1, batch_size=4, progress=lambda r, name, s: calls.append((r, name))
     )
     names = [row["case"] for row in result["cases"]]
-    assert names == ["seed CNN, batch 4", "tiny MLP, batch 4"]
+    assert names == ["tutorial CNN, batch 4", "tiny MLP, batch 4"]
     assert calls == [(0, names[0]), (0, names[1]), (1, names[0]), (1, names[1])]
     for row in result["cases"]:
         assert len(row["speedups"]) == 2
@@ -99,11 +99,11 @@ def test_the_stored_reference_run_shows_what_chapter_04_says():
     run = json.loads(path.read_text())
     assert run["cpus"] >= 2 and run["intra_op_threads"] == 1, run  # a free second core
     cases = {row["case"]: row for row in run["cases"]}
-    assert set(cases) == {"seed CNN, batch 64", "tiny MLP, batch 64"}
+    assert set(cases) == {"tutorial CNN, batch 64", "tiny MLP, batch 64"}
     for row in cases.values():
         assert len(row["speedups"]) == run["rounds"]
         assert row["speedup"] == statistics.median(row["speedups"])
-    cnn, mlp = cases["seed CNN, batch 64"], cases["tiny MLP, batch 64"]
+    cnn, mlp = cases["tutorial CNN, batch 64"], cases["tiny MLP, batch 64"]
     # the convolutions: faster with a second thread in every round, by over 1.5x in the median
     assert all(s > 1.0 for s in cnn["speedups"]) and cnn["speedup"] > 1.5, cnn
     # the tiny layers: no faster in any round

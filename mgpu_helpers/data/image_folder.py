@@ -1,6 +1,6 @@
-"""The seed's ``CustomDataset``, written properly: an image-folder dataset.
+"""The original tutorial's ``CustomDataset``, written properly: an image-folder dataset.
 
-The seed lists every file in one folder (``os.listdir``: unsorted, non-images
+The original tutorial lists every file in one folder (``os.listdir``: unsorted, non-images
 included), never imports ``PIL`` and returns file names instead of labels. This
 version reads ``root/<class>/<image>``, keeps image files only, sorts classes and files
 (so sample ``i`` is the same on every machine and every rank), takes labels from the

@@ -9,8 +9,9 @@ import torch
 
 
 def names_collate(batch):
-    """The seed's collate, for ``(image, label, name)`` samples: stack images and labels,
-    keep names as a tuple of strings (the default collate would too, but this shows how)."""
+    """The original tutorial's collate, for ``(image, label, name)`` samples: stack images
+    and labels, keep names as a tuple of strings (the default collate would too, but this
+    shows how)."""
     images, labels, names = zip(*batch, strict=True)
     return torch.stack(images), torch.tensor(labels), names
 

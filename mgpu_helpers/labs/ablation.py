@@ -53,7 +53,7 @@ from ..launcher import launch
 from .throughput import TrainingOptions, timed_epoch
 
 # The tuned configuration: every optimisation on. bucket_cap_mb=25 is DDP's default bucket
-# size (in MiB, despite the name): the seed CNN's gradients fall into two buckets (the fc
+# size (in MiB, despite the name): the tutorial CNN's gradients fall into two buckets (the fc
 # layers' 32.0 MiB first, then the convolutions' 0.15 MiB), so the fc bucket's all-reduce
 # overlaps the convolutions' backward. DDP never splits a tensor: fc1.weight alone is
 # 32 MiB, over the cap, and closes the first bucket. (Passed explicitly, 25 also caps DDP's
@@ -310,7 +310,7 @@ def plot(result: dict, ax=None):
 
 def bucket_layouts(caps: list[int | None], steps: int = 3) -> list[list[dict]]:
     """Inside a rank: for each ``bucket_cap_mb`` in ``caps`` (None: DDP's own default),
-    the seed CNN's gradient buckets in the order backward hands them to the all-reduce,
+    the tutorial CNN's gradient buckets in the order backward hands them to the all-reduce,
     as ``{"parameters": [names], "mib": size in MiB (2**20 bytes, the unit of
     bucket_cap_mb), "megabytes": size in MB (10**6 bytes)}``.
 

@@ -13,7 +13,7 @@ two halves: N-1 steps and (N-1)/N of the bytes (the whole tensor: the all-gather
 output, the reduce-scatter's input). :func:`collective_seconds` measures ``t`` inside the
 ranks, :func:`fit` finds ``alpha`` and ``bandwidth`` from those measurements, and
 :func:`predict` applies them to other sizes, collectives and numbers of ranks (chapter 03
-predicts the seed CNN's gradient all-reduce in DDP with it; ``benchmarks/allreduce_cost.py``
+predicts the tutorial CNN's gradient all-reduce in DDP with it; ``benchmarks/allreduce_cost.py``
 stores a run).
 """
 

@@ -494,7 +494,7 @@ LIBRARY_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"
 def interleaved_step(images: torch.Tensor, labels: torch.Tensor, cuts: list[int],
                      micro_batches: int, seed: int = 0,
                      schedule: str = "Interleaved1F1B") -> tuple[float, dict]:
-    """Inside one of K ranks: one training step of the seed CNN cut at ``cuts`` into 2K
+    """Inside one of K ranks: one training step of the tutorial CNN cut at ``cuts`` into 2K
     stages, run by ``torch.distributed.pipelining``'s ``Schedule<schedule>``. Rank r
     holds two *virtual* stages: r and r + K (round-robin, for ``Interleaved1F1B`` and
     ``InterleavedZeroBubble``), or r and 2K - 1 - r (the V shape of ``ZBVZeroBubble``,

@@ -1,6 +1,6 @@
 """Chapter 07's activation checkpointing: store less in forward, recompute in backward.
 
-:func:`checkpointed_step` runs one forward and backward pass of the seed CNN: its
+:func:`checkpointed_step` runs one forward and backward pass of the tutorial CNN: its
 convolutional part (two convolutions with their ReLUs, then pooling), run by the
 caller's function (plainly, or under ``torch.utils.checkpoint``, as the chapter writes
 it), then its classifier. It measures what autograd keeps from the forward pass to the

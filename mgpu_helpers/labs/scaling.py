@@ -155,6 +155,6 @@ def plot(result: dict, ax=None):
     ax.set_yticks(positions, [row["label"] for row in rows], fontsize=8)
     ax.set_xlabel("training samples / s, all ranks together")
     ax.set_xlim(0, max(max(r["runs"]) for r in rows) * 1.45)
-    ax.set_title(f"DDP weak scaling: seed CNN, batch {result['batch_size']} per rank, "
+    ax.set_title(f"DDP weak scaling: tutorial CNN, batch {result['batch_size']} per rank, "
                  f"median of {result['repeats']}", fontsize=10)
     return ax

@@ -35,7 +35,7 @@ def cases(batch_size: int = 64) -> dict[str, tuple[nn.Module, torch.Tensor]]:
     matter for the timing, so the weights keep their default random initialisation)."""
     generator = torch.Generator().manual_seed(0)
     return {
-        f"seed CNN, batch {batch_size}": (
+        f"tutorial CNN, batch {batch_size}": (
             SeedCNN().eval(),
             torch.randn(batch_size, 3, 32, 32, generator=generator),
         ),

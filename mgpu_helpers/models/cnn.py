@@ -12,9 +12,9 @@ class SeedCNN(nn.Module):
     """The seeds' CNN for 32x32 RGB images: conv 3->64, conv 64->64, max-pool,
     fc 64*16*16 -> 512 -> classes.
 
-    The seed's version misses its imports and uses ``x.view(-1, 64*16*16)``, which breaks
-    on non-contiguous inputs (``channels_last``) and hides shape mistakes by silently
-    changing the batch size; ``torch.flatten(x, 1)`` keeps the batch dimension.
+    The original tutorial's version misses its imports and uses ``x.view(-1, 64*16*16)``,
+    which breaks on non-contiguous inputs (``channels_last``) and hides shape mistakes by
+    silently changing the batch size; ``torch.flatten(x, 1)`` keeps the batch dimension.
     """
 
     def __init__(self, num_classes: int = 10):
@@ -34,7 +34,7 @@ class SeedCNN(nn.Module):
 
 
 def as_sequential(model: SeedCNN) -> nn.Sequential:
-    """The seed CNN as an ``nn.Sequential`` of its nine steps, sharing its layers, so that
+    """The tutorial CNN as an ``nn.Sequential`` of its nine steps, sharing its layers, so that
     it can be cut into pipeline stages (chapter 06). Computes exactly what ``model`` does."""
     if not isinstance(model, SeedCNN):
         raise TypeError(f"as_sequential takes a SeedCNN, got {type(model).__name__}")
