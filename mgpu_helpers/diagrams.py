@@ -207,7 +207,7 @@ OPTIMIZER_UNITS = 1.0
 
 def ddp_schedule(buckets: int = 3, layers: int = 6, comm_per_layer: float = 0.5,
                  latency: float = 0.2) -> DdpSchedule:
-    """DDP's backward on one GPU as a schematic (chapter 05, section 4).
+    """DDP's backward on one GPU as a schematic (appendix DDP internals, section 2).
 
     Backward computes the layers' gradients last layer first, one unit of time each, on
     the compute stream. Bucket 0 holds the last layers (the first gradients to arrive),
@@ -426,7 +426,7 @@ def fsdp_unit_life(units: int = 3, comm: float = 0.6, reshard_after_forward: boo
 
 def tp_shards(ranks: int = 2, width: int = 4) -> list[dict[str, tuple[int, int]]]:
     """Which slices of ``Linear(width, 4 width) -> ReLU -> Linear(4 width, width)`` each rank
-    holds, Megatron style (chapter 07, section 4): ``w1_rows`` (column-parallel: its rows
+    holds, Megatron style (chapter 07, section 6): ``w1_rows`` (column-parallel: its rows
     of the first weight, i.e. its share of the hidden features, and the same slice of the
     first bias) and ``w2_columns`` (row-parallel: the same share of the second weight's
     input features). Slices are ``(start, stop)``; the second bias is whole on every rank."""

@@ -1,4 +1,4 @@
-"""Chapter 05's look inside DDP: the backward timeline, uneven inputs, gradient clipping.
+"""Chapter 05's look inside DDP (its appendix): the backward timeline, uneven inputs, clipping.
 
 * :func:`backward_timeline`: inside a rank, when each gradient became ready and when each
   bucket's all-reduce started and finished, step by step (a communication hook times
@@ -8,7 +8,8 @@
   computes for the same batches; :func:`counted_all_reduces` counts the small
   all-reduces Join adds to each forward pass.
 * :func:`amp_clipped_step` and :func:`accumulate_and_clip`: gradient clipping under DDP,
-  with a float16 ``GradScaler`` and with ``no_sync`` accumulation, right and wrong.
+  with a float16 ``GradScaler`` and with ``no_sync`` accumulation, right and wrong, on
+  :func:`small_cnn` and :func:`clipping_data` (which chapter 05's own step also uses).
 * :func:`changed_after_wrapping`: what ``DDP(model)`` does not cover: a parameter added
   after wrapping, and one re-initialised in place after wrapping.
 
@@ -52,7 +53,7 @@ def _wrap(module: nn.Module, **ddp_options) -> nn.Module:
 def backward_timeline(steps: int = 4, batch_size: int = 32,
                       bucket_cap_mb: float | None = None, exchange: bool = True,
                       find_unused_parameters: bool = False) -> list[dict]:
-    """Inside a rank: ``steps`` training steps of the seed CNN under DDP, each timed from
+    """Inside a rank: ``steps`` training steps of the tutorial CNN under DDP, each timed from
     the call of ``loss.backward()`` (time 0) to its return.
 
     Returns one record per step: ``backward_s`` (when ``backward()`` returned: DDP waits
@@ -256,7 +257,8 @@ def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten().cpu() for p in model.parameters()])
 
 
-def _small_cnn() -> nn.Module:
+def small_cnn() -> nn.Module:
+    """The small network the clipping checks train (seeded: the same weights every call)."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4),
                          nn.Flatten(), nn.Linear(128, 10))
@@ -275,7 +277,7 @@ def amp_clipped_step(unscale_first: bool, max_norm: float = 0.1, lr: float = 0.5
     real units), the size of the weight update and the new weights.
     """
     here = device()
-    model = _wrap(_small_cnn().to(here))
+    model = _wrap(small_cnn().to(here))
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     scaler = torch.amp.GradScaler(here.type, init_scale=init_scale)
     images, labels = (_my_share(t).to(here) for t in clipping_data())
@@ -308,7 +310,7 @@ def accumulate_and_clip(micro_batches: int, clip_each_micro_batch: bool = False,
     after every backward, which inside ``no_sync`` clips one rank's partial sum.
     Returns the norm before the (final) clip and the new weights.
     """
-    model = _wrap(_small_cnn())
+    model = _wrap(small_cnn())
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     images, labels = (_my_share(t) for t in clipping_data())
     pieces = list(zip(images.chunk(micro_batches), labels.chunk(micro_batches), strict=True))
