@@ -151,7 +151,8 @@ def test_the_step_collectives_timed_alone_and_the_cost_model_fitted():
 
 
 def _metered(kind):
-    """Section 1's training of chapter 07, on a small model, under the step meter."""
+    """Chapter 07's section 1 training (its appendix's for ZeRO-1 and bucket views), on a
+    small model, under the step meter."""
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

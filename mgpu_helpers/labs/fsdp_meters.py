@@ -1,11 +1,12 @@
 """Chapter 07's meters: what a rank holds after training steps, and the collectives that
 tensor parallelism runs.
 
-:class:`StepMeter` watches the training steps of chapter 07's section 1 (DDP, ZeRO-1,
-FSDP2): it times each step, can measure the activations autograd keeps, records DDP's
-bucket buffers through a communication hook, and reports the bytes of the distinct
-storages behind each kind of state after the last step. :class:`CollectivesSeen` records
-the collectives DTensor issues (section 4), with the bytes of their input.
+:class:`StepMeter` watches the training steps of chapter 07's section 1 (DDP, FSDP2) and
+of its appendix's section 1 (DDP with bucket views, ZeRO-1): it times each step, can
+measure the activations autograd keeps, records DDP's bucket buffers through a
+communication hook, and reports the bytes of the distinct storages behind each kind of
+state after the last step. :class:`CollectivesSeen` records the collectives DTensor issues
+(chapter 07, section 6), with the bytes of their input.
 """
 
 from __future__ import annotations
