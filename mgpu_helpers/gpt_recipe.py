@@ -8,7 +8,9 @@
   FSDP2);
 * each block is its own ``fully_shard`` unit (gathered just before it runs, freed after),
   then the root, with a ``MixedPrecisionPolicy``: 16-bit weights for the compute, float32
-  for the gradient reduction; the sharded weights and AdamW's state stay float32;
+  for the gradient reduction; the sharded weights and AdamW's state stay float32. That
+  wrapping step is the lesson: chapter 10 writes it in a cell and hands it to
+  :func:`train_gpt` as ``shard``; :func:`shard_model` is the same step for the script;
 * optionally each block is recomputed in backward (activation checkpointing) and
   compiled (``torch.compile``, one graph per block);
 * gradient accumulation: ``set_requires_gradient_sync(False)`` on all but the last
@@ -22,6 +24,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -136,11 +139,26 @@ def shard_model(model, mesh, param_dtype: torch.dtype) -> None:
     fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
-def train_gpt(run: GPTRun) -> dict:
+#: The FSDP2 wrapping step :func:`train_gpt` applies: ``shard(model, mesh, param_dtype)``
+#: shards the built model in place.
+ShardStep = Callable[[torch.nn.Module, object, torch.dtype], None]
+
+
+def train_gpt(run: GPTRun, shard: ShardStep = shard_model) -> dict:
     """One rank's run. Returns the settings, every step's loss (the mean over all
     ranks' sequences), the held-out exact-match accuracy, the step the run resumed from,
     the seconds spent in the first step (compilation included) and the digest of this
-    rank's final state (:func:`state_digest`)."""
+    rank's final state (:func:`state_digest`).
+
+    Args:
+        run: the settings.
+        shard: the FSDP2 wrapping step, called once on the built model (on this rank's
+            device, blocks compiled if asked) with the ``(dp, fsdp)`` mesh and the
+            compute dtype; :func:`shard_model` by default.
+    """
+    if not callable(shard):
+        raise TypeError(f"shard must be a function shard(model, mesh, param_dtype), got "
+                        f"{shard!r}: pass the wrapping step itself, not its result")
     device, world = rank_device(), world_size()
     if world % run.replicate:
         raise ValueError(f"replicate={run.replicate} does not divide the {world} ranks")
@@ -157,7 +175,7 @@ def train_gpt(run: GPTRun) -> dict:
         for block in model.blocks:
             block.compile()
     model.to(device)
-    shard_model(model, mesh, dtype)
+    shard(model, mesh, dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=run.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, run.steps, run.warmup))

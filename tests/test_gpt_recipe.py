@@ -51,6 +51,23 @@ def test_fsdp2_and_hsdp_follow_the_one_process_run(nprocs, settings):
                               else {"fsdp": nprocs})
 
 
+def shard_with_bfloat16_weights(model, mesh, param_dtype):
+    """A wrapping step that ignores the run's dtype: its effect shows in the losses."""
+    shard_model(model, mesh, torch.bfloat16)
+
+
+def test_train_gpt_applies_the_wrapping_step_it_is_given():
+    run = GPTRun(**QUICK)
+    # CPU check: gloo ranks; float32 follows the reference within 1e-5 (test above),
+    # bfloat16 weights cannot, so the losses tell which step sharded the model
+    result = launch(train_gpt, run, shard_with_bfloat16_weights, nprocs=2, backend="gloo")
+    expected = reference_losses(run)
+    assert result["losses"] != pytest.approx(expected, rel=1e-5)
+    assert result["losses"] == pytest.approx(expected, rel=1e-2)
+    with pytest.raises(TypeError, match=r"shard must be a function shard\(model, mesh"):
+        train_gpt(run, shard="fsdp2")
+
+
 def test_a_resumed_run_ends_bit_for_bit_where_the_uninterrupted_one_does(tmp_path):
     settings = {**QUICK, "steps": 10, "save_every": 4, "accumulate": 2}
     # CPU checks: gloo ranks, so that "bit for bit" means the same on every machine
