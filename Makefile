@@ -87,14 +87,17 @@ unit: $(STAMP)
 browser: $(STAMP)
 	$(BIN)/pytest tests/browser
 
-# Chapters whose compared outputs are computed numbers (02 to 07) run on PyTorch's generic
+# Chapters whose compared outputs are computed numbers (02 to 07, 10, and the appendices
+# holding their digressions) run on PyTorch's generic
 # kernels (ATEN_CPU_CAPABILITY=default), standing in for another CPU: their outputs were
 # stored with this machine's best kernels, so a number printed past its precision fails
 # here. The others run on the best kernels. `make nbval-kernels` runs every chapter on
 # KERNELS (default, or avx2...).
 KERNELS ?= default
 NBVAL_GENERIC := $(wildcard notebooks/02_*.ipynb notebooks/03_*.ipynb notebooks/04_*.ipynb \
-  notebooks/05_*.ipynb notebooks/06_*.ipynb notebooks/07_*.ipynb notebooks/10_*.ipynb)
+  notebooks/05_*.ipynb notebooks/06_*.ipynb notebooks/07_*.ipynb notebooks/10_*.ipynb \
+  notebooks/appendix_ddp_internals.ipynb notebooks/appendix_pipeline_details.ipynb \
+  notebooks/appendix_sharding_details.ipynb notebooks/appendix_language_model_details.ipynb)
 nbval: $(STAMP)
 	$(if $(filter-out $(NBVAL_GENERIC),$(NOTEBOOKS)),$(WITH_NB_ENV) $(BIN)/pytest $(NBVAL_FLAGS) \
 	  $(filter-out $(NBVAL_GENERIC),$(NOTEBOOKS)))
