@@ -597,3 +597,58 @@ def mesh_2d(dp: int = 2, tp: int = 4, gpus_per_node: int | None = None):
     fig.suptitle(title, fontsize=9)
     return fig
 
+
+
+# ----------------------------------------------------------- DTensor placements (chapter 11)
+
+PLACEMENTS = ("Shard(0)", "Shard(1)", "Replicate()", "Partial()")
+
+
+def placement_pieces(placement: str, ranks: int = 2, rows: int = 4,
+                     columns: int = 4) -> list[tuple[range, range]]:
+    """The block of a ``rows x columns`` tensor each rank holds under ``placement`` (one
+    of :data:`PLACEMENTS`) on a 1-D mesh: ``(row range, column range)`` by rank, as
+    ``torch.chunk`` cuts (the last piece smaller when the size does not divide). Under
+    ``Partial()`` every rank holds a whole-shaped tensor of addends; the tensor is their sum."""
+    _whole("placements", "ranks", ranks, 1, 8, "the figure draws up to 8 ranks")
+    _whole("placements", "rows", rows, 1, 16, "the figure draws up to 16 rows")
+    _whole("placements", "columns", columns, 1, 16, "the figure draws up to 16 columns")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placements: unknown placement {placement!r}; expected one of "
+                         f"{', '.join(PLACEMENTS)}")
+
+    def cut(size: int, rank: int) -> range:
+        step = -(-size // ranks)
+        return range(min(rank * step, size), min((rank + 1) * step, size))
+
+    return [(cut(rows, r) if placement == "Shard(0)" else range(rows),
+             cut(columns, r) if placement == "Shard(1)" else range(columns))
+            for r in range(ranks)]
+
+
+def placements(ranks: int = 2, rows: int = 4, columns: int = 4):
+    """A panel per placement of :data:`PLACEMENTS`: the global tensor, then
+    what each rank holds of it, coloured by rank (hatched where the values are partial
+    sums)."""
+    size = 0.22
+    fig, axes = plt.subplots(2, 2, figsize=(
+        2 * (1.2 + (ranks + 1) * (columns + 2) * size), 2 * (rows + 2) * size + 0.4),
+        layout="constrained")
+    for ax, placement in zip(axes.flat, PLACEMENTS, strict=True):
+        pieces = placement_pieces(placement, ranks, rows, columns)
+        _matrix(ax, 0, 0, columns, rows, "#f2f2f2", f"{placement} global")
+        ax.text(columns / 2, rows + 0.3, "global tensor", ha="center", fontsize=7)
+        for rank, (row_range, column_range) in enumerate(pieces):
+            x = (rank + 1) * (columns + 2)
+            _matrix(ax, x, 0, columns, rows, "white", f"{placement} rank {rank} frame")
+            if len(row_range) and len(column_range):
+                _matrix(ax, x + column_range.start, rows - row_range.stop, len(column_range),
+                        len(row_range), _RANK_COLOURS(rank % 10),
+                        f"{placement} rank {rank} holds",
+                        hatch="///" if placement == "Partial()" else None)
+            ax.text(x + columns / 2, rows + 0.3, f"rank {rank}", ha="center", fontsize=7)
+        ax.text(-0.8, rows / 2, placement, ha="right", va="center", fontsize=9)
+        _frame(ax, (ranks + 1) * (columns + 2) - 2, rows + 0.8)
+    fig.suptitle("What each rank holds of a DTensor, by placement (Partial: addends of "
+                 "the whole tensor)", fontsize=9)
+    return fig

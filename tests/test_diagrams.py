@@ -333,6 +333,43 @@ def test_mesh_2d_highlights_each_group_and_says_where_tp_groups_sit(figures):
     assert "some tp groups span nodes" in spread.get_suptitle()
 
 
+# ----------------------------------------------------------- DTensor placements (chapter 11)
+
+
+@pytest.mark.parametrize("ranks,rows,columns", [(2, 4, 4), (3, 4, 5)])
+@pytest.mark.parametrize("placement", ["Shard(0)", "Shard(1)", "Replicate()"])
+def test_placement_pieces_are_what_distribute_tensor_gives_each_rank(placement, ranks, rows,
+                                                                     columns):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    layout = {"Shard(0)": Shard(0), "Shard(1)": Shard(1), "Replicate()": Replicate()}
+    whole = torch.arange(rows * columns).reshape(rows, columns)
+    pieces = diagrams.placement_pieces(placement, ranks, rows, columns)
+    for rank in range(ranks):
+        with fake_rank(rank, ranks):
+            local = distribute_tensor(whole, init_device_mesh("cpu", (ranks,)),
+                                      [layout[placement]], src_data_rank=None).to_local()
+        row_range, column_range = pieces[rank]
+        assert torch.equal(local, whole[row_range.start:row_range.stop,
+                                        column_range.start:column_range.stop])
+
+
+def test_placements_draws_what_each_rank_holds(figures):
+    fig = diagrams.placements(ranks=3)
+    figures(fig)
+    patches = {p.get_gid(): p for ax in fig.axes for p in ax.patches}
+    for placement in diagrams.PLACEMENTS:
+        for rank, (rows, columns) in enumerate(diagrams.placement_pieces(placement, 3)):
+            if not (rows and columns):  # torch.chunk leaves the last rank nothing here
+                assert f"{placement} rank {rank} holds" not in patches
+                continue
+            held = patches[f"{placement} rank {rank} holds"]
+            assert (held.get_width(), held.get_height()) == (len(columns), len(rows))
+            assert bool(held.get_hatch()) == (placement == "Partial()")
+    assert diagrams.placement_pieces("Partial()", 2) == [(range(4), range(4))] * 2
+
+
 # ----------------------------------------------------------------- bad parameters
 
 
@@ -350,6 +387,8 @@ def test_mesh_2d_highlights_each_group_and_says_where_tp_groups_sit(figures):
     (lambda: diagrams.tp_splits(batch=True), "tp_splits needs 1 to 8 rows of batch, got True"),
     (lambda: diagrams.mesh_2d(1, 1), "mesh_2d needs at least 2 devices"),
     (lambda: diagrams.mesh_2d(2, 4, gpus_per_node=3), "gpus_per_node to divide the 8"),
+    (lambda: diagrams.placements(ranks=9), "placements needs 1 to 8 ranks, got 9"),
+    (lambda: diagrams.placement_pieces("Shard(2)"), "unknown placement 'Shard(2)'"),
 ])
 def test_bad_parameters_say_what_is_wrong(call, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -89,7 +89,7 @@ REQUIRED = {
 }
 
 # Terms no chapter teaches yet: their entry says so and links documentation instead.
-NOT_IN_A_CHAPTER = {"term-fsdp1", "term-sequence-parallelism"}
+NOT_IN_A_CHAPTER = {"term-fsdp1"}
 
 ANCHOR = re.compile(r'<a id="([^"]+)"></a>')
 # [text](target), where target may hold one level of balanced parentheses

@@ -48,6 +48,21 @@ LESSON_CALLS: dict[str, list[tuple[tuple[str, ...], str]]] = {
         (("fully_shard",), "FSDP2 applied to the GPT"),
         (("MixedPrecisionPolicy",), "FSDP2's mixed precision"),
     ],
+    "11_tensor_sequence_and_loss_parallel": [
+        (("CopyToTP.apply",), "f, the identity forward and all-reduce backward"),
+        (("ReduceFromTP.apply",), "g, the all-reduce forward"),
+        (("all_reduce",), "the all-reduces of f and g, and the loss's"),
+        (("all_gather", "all_gather_single"), "sequence parallelism's all-gather"),
+        (("reduce_scatter", "reduce_scatter_single"), "sequence parallelism's reduce-scatter"),
+        (("parallelize_module",), "the DTensor plan"),
+        (("ColwiseParallel",), "column-parallel layers"),
+        (("RowwiseParallel(output_layouts=)",), "row-parallel layers ending in a sequence shard"),
+        (("SequenceParallel",), "the norms on sequence shards"),
+        (("PrepareModuleInput",), "the gathered inputs of attention and the MLP"),
+        (("loss_parallel",), "the vocabulary-parallel loss"),
+        (("init_device_mesh(mesh_dim_names=)",), "the 2-D mesh"),
+        (("fully_shard(mesh=)",), "FSDP2 along the mesh's dp dimension"),
+    ],
 }
 
 

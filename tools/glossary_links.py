@@ -43,6 +43,7 @@ TERMS = [
     (r"DTensors?", "term-dtensor"),
     (r"device mesh(?:es)?", "term-device-mesh"),
     (r"tensor parallelism", "term-tensor-parallelism"),
+    (r"sequence parallelism", "term-sequence-parallelism"),
     (r"pipeline parallelism", "term-pipeline-parallelism"),
     (r"activation checkpointing", "term-activation-checkpointing"),
     (r"MFU", "term-mfu"),
