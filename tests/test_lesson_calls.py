@@ -63,6 +63,17 @@ LESSON_CALLS: dict[str, list[tuple[tuple[str, ...], str]]] = {
         (("init_device_mesh(mesh_dim_names=)",), "the 2-D mesh"),
         (("fully_shard(mesh=)",), "FSDP2 along the mesh's dp dimension"),
     ],
+    "12_context_parallelism": [
+        (("batch_isend_irecv",), "K and V passed around the ring"),
+        (("P2POp",), "the ring's sends and receives"),
+        (("RingAttention.apply",), "ring attention as an autograd function"),
+        (("logaddexp",), "the online-softmax merge"),
+        (("all_gather",), "the all-gather design's forward"),
+        (("reduce_scatter",), "the all-gather design's backward"),
+        (("init_device_mesh(mesh_dim_names=)",), "the (dp, cp) mesh"),
+        (("fully_shard(mesh=)",), "FSDP2 over dp x cp"),
+        (("context_parallel",), "PyTorch's context parallelism"),
+    ],
 }
 
 

@@ -44,6 +44,8 @@ TERMS = [
     (r"device mesh(?:es)?", "term-device-mesh"),
     (r"tensor parallelism", "term-tensor-parallelism"),
     (r"sequence parallelism", "term-sequence-parallelism"),
+    (r"context parallelism", "term-context-parallelism"),
+    (r"ring attention", "term-ring-attention"),
     (r"pipeline parallelism", "term-pipeline-parallelism"),
     (r"activation checkpointing", "term-activation-checkpointing"),
     (r"MFU", "term-mfu"),
