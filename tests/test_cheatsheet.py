@@ -105,8 +105,10 @@ def run_template(name: str, checkpoint: Path, timeout: float = 120) -> str:
 
 
 def losses(output: str) -> list[float]:
-    return [float(x) for x in re.findall(r"^epoch \d+: loss of rank 0's last batch ([\d.]+)$",
-                                         output, flags=re.MULTILINE)]
+    # not anchored to line ends: torchrun merges the ranks' streams, and another rank's
+    # line can land right after this one's last digit, before its newline
+    return [float(x) for x in re.findall(r"epoch \d+: loss of rank 0's last batch (\d+\.\d+)",
+                                         output)]
 
 
 def fingerprint(state: dict) -> str:
@@ -125,7 +127,7 @@ def ddp_run(tmp_path_factory):
 @pytest.mark.slow
 def test_the_ddp_template_trains_and_its_replicas_agree_with_the_checkpoint(ddp_run):
     output, saved = ddp_run
-    digests = dict(re.findall(r"^rank (\d): weights ([0-9a-f]{16})$", output, re.MULTILINE))
+    digests = dict(re.findall(r"rank (\d): weights ([0-9a-f]{16})", output))  # merged streams
     assert sorted(digests) == ["0", "1"], output[-3000:]
     assert digests["0"] == digests["1"] == fingerprint(saved["model"])
     assert not any(key.startswith("module.") for key in saved["model"])

@@ -74,6 +74,14 @@ LESSON_CALLS: dict[str, list[tuple[tuple[str, ...], str]]] = {
         (("fully_shard(mesh=)",), "FSDP2 over dp x cp"),
         (("context_parallel",), "PyTorch's context parallelism"),
     ],
+    "13_mixture_of_experts": [
+        (("topk",), "top-k routing"),
+        (("bincount",), "tokens per expert"),
+        (("all_to_all_single",), "the counts exchange and the uneven dispatch"),
+        (("AllToAll.apply",), "the all-to-all as an autograd function"),
+        (("index_add", "index_add_"), "the weighted combine"),
+        (("traffic_measured",), "the dispatch's bytes, measured"),
+    ],
 }
 
 

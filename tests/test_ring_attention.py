@@ -21,11 +21,11 @@ CHAPTER = Path(__file__).resolve().parents[1] / "notebooks" / "12_context_parall
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
-def chapter_definitions() -> dict:
+def chapter_definitions(chapter: Path = CHAPTER) -> dict:
     """The namespace the chapter's imports, functions and classes make, run in order (a
     function whose defaults name the chapter's run-time values is left out)."""
     namespace: dict = {}
-    for cell in json.loads(CHAPTER.read_text())["cells"]:
+    for cell in json.loads(chapter.read_text())["cells"]:
         if cell["cell_type"] != "code":
             continue
         tree = ast.parse("".join(cell["source"]))
@@ -33,7 +33,7 @@ def chapter_definitions() -> dict:
             if not isinstance(node, ast.Import | ast.ImportFrom | ast.FunctionDef | ast.ClassDef):
                 continue
             try:
-                exec(compile(ast.Module(body=[node], type_ignores=[]), str(CHAPTER), "exec"),
+                exec(compile(ast.Module(body=[node], type_ignores=[]), str(chapter), "exec"),
                      namespace)
             except NameError:  # a default argument from the chapter's run (STEPS...)
                 continue

@@ -46,6 +46,8 @@ TERMS = [
     (r"sequence parallelism", "term-sequence-parallelism"),
     (r"context parallelism", "term-context-parallelism"),
     (r"ring attention", "term-ring-attention"),
+    (r"mixtures? of experts", "term-mixture-of-experts"),
+    (r"expert parallelism", "term-expert-parallelism"),
     (r"pipeline parallelism", "term-pipeline-parallelism"),
     (r"activation checkpointing", "term-activation-checkpointing"),
     (r"MFU", "term-mfu"),

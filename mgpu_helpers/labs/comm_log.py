@@ -52,7 +52,7 @@ def _tensors(value):
 def _contributed(kind: str, name: str, args) -> int:
     """The bytes this rank puts into the collective."""
     if name in ("allgather", "_allgather_base", "allgather_into_tensor_coalesced",
-                "reduce_scatter", "_reduce_scatter_base"):
+                "reduce_scatter", "_reduce_scatter_base", "alltoall", "alltoall_base"):
         # c10d's (outputs, inputs) order: count the inputs only
         inputs = args[1] if len(args) > 1 else ()
     else:
