@@ -87,7 +87,11 @@ unit: $(STAMP)
 browser: $(STAMP)
 	$(BIN)/pytest tests/browser
 
-# Chapters whose compared outputs are computed numbers (02 to 07, 10 to 13, and the appendices
+# Chapter 06 runs on the best kernels: its checks hold pipeline timings to the schedules'
+# theory, which assumes pieces of equal time, and its pieces are cut at equal FLOPs, which
+# the generic kernels turn into unequal times (GPipe idled 6 to 7 points above the theory
+# there, failing the fresh-clone runs). Chapters whose compared outputs are computed
+# numbers (02 to 05, 07, 10 to 13, and the appendices
 # holding their digressions) run on PyTorch's generic
 # kernels (ATEN_CPU_CAPABILITY=default), standing in for another CPU: their outputs were
 # stored with this machine's best kernels, so a number printed past its precision fails
@@ -95,7 +99,7 @@ browser: $(STAMP)
 # KERNELS (default, or avx2...).
 KERNELS ?= default
 NBVAL_GENERIC := $(wildcard notebooks/02_*.ipynb notebooks/03_*.ipynb notebooks/04_*.ipynb \
-  notebooks/05_*.ipynb notebooks/06_*.ipynb notebooks/07_*.ipynb notebooks/10_*.ipynb \
+  notebooks/05_*.ipynb notebooks/07_*.ipynb notebooks/10_*.ipynb \
   notebooks/11_*.ipynb notebooks/12_*.ipynb notebooks/13_*.ipynb \
   notebooks/appendix_ddp_internals.ipynb notebooks/appendix_pipeline_details.ipynb \
   notebooks/appendix_sharding_details.ipynb notebooks/appendix_language_model_details.ipynb)
