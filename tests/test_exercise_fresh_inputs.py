@@ -69,8 +69,9 @@ def test_01_1_copied_statistics_fail_the_next_check():
 
 def test_02_1_copied_shuffled_indices_fail_the_next_check():
     # the shuffled cases: their seed is drawn afresh (unshuffled, the order is the
-    # dataset's, a closed form of n and world_size)
-    exercise = only("02.1", lambda case: case.args[4])
+    # dataset's, a closed form of n and world_size); of 10 samples or more, since 3
+    # samples have 6 orders, and a copied one matches the next draw 1 time in 6
+    exercise = only("02.1", lambda case: case.args[4] and case.args[0] >= 10)
     recorded = expected_by_case(exercise, ch02.sampler_indices)
     table = {(n, world, shuffle, drop_last): recorded[case.label][0]
              for case in exercise.cases
@@ -80,7 +81,7 @@ def test_02_1_copied_shuffled_indices_fail_the_next_check():
         return table[n, world_size, shuffle, drop_last][epoch, rank]
 
     report = core.evaluate(exercise, copied)
-    assert len(exercise.cases) >= 4
+    assert len(exercise.cases) >= 3
     assert set(statuses(report).values()) == {"fail"}, "\n".join(report.lines())
 
 
