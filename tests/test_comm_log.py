@@ -55,13 +55,14 @@ def test_every_collective_is_seen_with_the_bytes_this_rank_puts_in():
 @pytest.mark.parametrize("kind,world,expected", [
     ("all_reduce", 4, 2 * 3 / 4 * 1000), ("all_reduce", 1, 0.0),
     ("all_gather", 4, 3 * 1000), ("reduce_scatter", 4, 3 / 4 * 1000),
+    ("send", 4, 1000), ("recv", 4, 0),
 ])
 def test_ring_bytes_are_chapter_03s_volumes(kind, world, expected):
     assert ring_bytes_sent(kind, 1000, world) == pytest.approx(expected)
 
 
 def test_ring_bytes_refuse_what_has_no_ring_formula():
-    with pytest.raises(ValueError, match="no ring formula for 'send'"):
-        ring_bytes_sent("send", 10, 2)
+    with pytest.raises(ValueError, match="no ring formula for 'broadcast'"):
+        ring_bytes_sent("broadcast", 10, 2)
     with pytest.raises(ValueError, match="at least one rank, got world=0"):
         ring_bytes_sent("all_reduce", 10, 0)
