@@ -100,3 +100,22 @@ def training_state_bytes(parameters: int, shards: int = 1, weight_bytes: int = 4
         raise ValueError(f"shards must be >= 1, got {shards}")
     per_parameter = weight_bytes + gradient_bytes + optimizer_bytes
     return -(-parameters // shards) * per_parameter
+
+
+def ring_bytes_sent(kind: str, nbytes: int, world: int) -> float:
+    """Bytes each rank sends for one collective on a ring of ``world`` ranks, ``nbytes``
+    being what it contributes (what ``labs.comm_log.CollectivesLogged`` records); a point-to-point
+    ``send`` sends its message, a ``recv`` nothing; an all-to-all keeps its own
+    ``1/N`` and sends the rest."""
+    if world < 1:
+        raise ValueError(f"a ring needs at least one rank, got world={world}")
+    if kind in ("send", "recv"):
+        return float(nbytes) if kind == "send" else 0.0
+    if kind == "all_reduce":
+        return 2 * (world - 1) / world * nbytes
+    if kind == "all_gather":
+        return (world - 1) * nbytes
+    if kind in ("reduce_scatter", "all_to_all"):
+        return (world - 1) / world * nbytes
+    raise ValueError(f"no ring formula for {kind!r}: expected all_reduce, all_gather, "
+                     "reduce_scatter, all_to_all, send or recv")

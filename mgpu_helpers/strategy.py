@@ -68,9 +68,9 @@ STEPS = (
     Step("pipeline parallel (PP)", "ch. 06",
          "tensor + sequence parallel\n(TP/SP, within a node)",
          "still does not fit, or more GPUs than the batch can use: stages across nodes"),
-    Step("context parallel (CP)", "Part III, to come", "activation checkpointing",
+    Step("context parallel (CP)", "ch. 12", "activation checkpointing",
          "sequences too long: split each sequence"),
-    Step("expert parallel (EP)", "Part III, to come",
+    Step("expert parallel (EP)", "ch. 13",
          "shard the training state\n(ZeRO-1/2, FSDP2 = ZeRO-3)",
          "a mixture of experts (MoE): experts on different GPUs"),
 )
@@ -89,6 +89,7 @@ class Precision:
     gradient: int
     optimizer: int
     copies: int = 0
+    activation: int = 2  # bytes per activation element (chapter 14's planner)
 
 
 #: The ZeRO paper's mixed precision (DeepSpeed's): bfloat16 weights and gradients,

@@ -24,6 +24,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..costs import ring_bytes_sent  # noqa: F401  (chapter 11-13 import it from here)
+
 # operator name (without namespace and trailing underscores) -> kind
 _KINDS = {
     "allreduce": "all_reduce", "all_reduce": "all_reduce", "allreduce_coalesced": "all_reduce",
@@ -82,21 +84,3 @@ class CollectivesLogged(TorchDispatchMode):
 
     def kinds(self) -> list[str]:
         return [kind for kind, _ in self.calls]
-
-
-def ring_bytes_sent(kind: str, nbytes: int, world: int) -> float:
-    """Bytes each rank sends for one collective on a ring of ``world`` ranks, ``nbytes``
-    being what it contributes (:class:`CollectivesLogged`'s record); a point-to-point
-    ``send`` sends its message, a ``recv`` nothing."""
-    if world < 1:
-        raise ValueError(f"a ring needs at least one rank, got world={world}")
-    if kind in ("send", "recv"):
-        return float(nbytes) if kind == "send" else 0.0
-    if kind == "all_reduce":
-        return 2 * (world - 1) / world * nbytes
-    if kind == "all_gather":
-        return (world - 1) * nbytes
-    if kind == "reduce_scatter":
-        return (world - 1) / world * nbytes
-    raise ValueError(f"no ring formula for {kind!r}: expected all_reduce, all_gather, "
-                     "reduce_scatter, send or recv")
