@@ -599,6 +599,48 @@ def mesh_2d(dp: int = 2, tp: int = 4, gpus_per_node: int | None = None):
 
 
 
+def mesh_3d(groups: dict[str, list[list[int]]], shape: tuple[int, int, int],
+            collectives: dict[str, str]):
+    """A 3-D mesh's devices, one panel per dimension with that dimension's groups
+    highlighted (chapter 14). ``groups[name]`` are the groups as the run reported them
+    (lists of global ranks), ``shape`` the mesh's sizes outermost first, and
+    ``collectives[name]`` what that dimension's groups run (the panel's subtitle). The
+    devices are drawn as the outermost dimension's blocks side by side, each block a
+    grid of the two inner dimensions."""
+    names = list(groups)
+    outer, middle, inner = shape
+    if len(names) != 3 or outer * middle * inner < 2:
+        raise ValueError(f"mesh_3d draws a mesh of 3 named dimensions, got {names} of "
+                         f"shape {shape}")
+    size = 0.8
+
+    def place(rank: int) -> tuple[float, float]:  # (x, y) of a rank's cell
+        block, rest = divmod(rank, middle * inner)
+        row, column = divmod(rest, inner)
+        return block * (inner + 0.6) + column, row
+
+    width = outer * (inner + 0.6) - 0.6
+    fig, axes = plt.subplots(1, 3, figsize=(3 * (width * size + 0.6), middle * size + 1.5),
+                             layout="constrained")
+    for ax, name in zip(axes, names, strict=True):
+        for k, members in enumerate(groups[name]):
+            colour = _RANK_COLOURS(k % 10)
+            for rank in members:
+                x, y = place(rank)
+                ax.add_patch(FancyBboxPatch((x + 0.08, y + 0.08), 0.84, 0.84,
+                                            boxstyle="round,pad=0,rounding_size=0.12",
+                                            facecolor=colour, alpha=0.45, edgecolor=colour,
+                                            gid=f"{name} group {k} rank {rank}"))
+                ax.text(x + 0.5, y + 0.5, str(rank), ha="center", va="center", fontsize=8)
+        ax.set(xlim=(0, width), ylim=(middle, 0), aspect="equal")
+        ax.set_axis_off()
+        ax.set_title(f'mesh["{name}"]: {len(groups[name])} groups of '
+                     f"{len(groups[name][0])}\n{collectives.get(name, '')}", fontsize=8)
+    fig.suptitle(f"{names[0]} x {names[1]} x {names[2]} = {' x '.join(map(str, shape))}: "
+                 f"same colour, same group ({names[0]} blocks side by side)", fontsize=9)
+    return fig
+
+
 # ----------------------------------------------------------- DTensor placements (chapter 11)
 
 PLACEMENTS = ("Shard(0)", "Shard(1)", "Replicate()", "Partial()")

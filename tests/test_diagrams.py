@@ -333,6 +333,30 @@ def test_mesh_2d_highlights_each_group_and_says_where_tp_groups_sit(figures):
     assert "some tp groups span nodes" in spread.get_suptitle()
 
 
+def test_mesh_3d_draws_each_dimensions_groups_where_the_ranks_sit(figures):
+    groups = {"pp": [[0, 4], [1, 5], [2, 6], [3, 7]], "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+              "tp": [[0, 1], [2, 3], [4, 5], [6, 7]]}
+    fig = diagrams.mesh_3d(groups, (2, 2, 2), {"tp": "all_reduce"})
+    figures(fig)
+    for ax, name in zip(fig.axes, ("pp", "dp", "tp"), strict=True):
+        patches = {p.get_gid(): (p.get_x(), p.get_y()) for p in ax.patches}
+        assert len(patches) == 8 and name in ax.get_title()
+        for k, members in enumerate(groups[name]):  # a group's cells share a colour
+            colours = {tuple(p.get_facecolor()) for p in ax.patches
+                       if p.get_gid().startswith(f"{name} group {k} ")}
+            assert len(colours) == 1 and len(members) == 2
+    tp_cells = {p.get_gid(): (p.get_x(), p.get_y()) for p in fig.axes[2].patches}
+    # a tp pair sits side by side in one row; a pp pair in the same place of two blocks
+    (x0, y0), (x1, y1) = tp_cells["tp group 0 rank 0"], tp_cells["tp group 0 rank 1"]
+    assert y0 == y1 and x1 - x0 == 1
+    pp_cells = {p.get_gid(): (p.get_x(), p.get_y()) for p in fig.axes[0].patches}
+    (x0, y0), (x1, y1) = pp_cells["pp group 0 rank 0"], pp_cells["pp group 0 rank 4"]
+    assert y0 == y1 and x1 - x0 == pytest.approx(2 + 0.6)  # one block (2 wide) and the gap
+    assert "all_reduce" in fig.axes[2].get_title()
+    with pytest.raises(ValueError, match="3 named dimensions"):
+        diagrams.mesh_3d({"dp": [[0, 1]]}, (1, 1, 2), {})
+
+
 # ----------------------------------------------------------- DTensor placements (chapter 11)
 
 
