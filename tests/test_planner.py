@@ -249,3 +249,20 @@ def test_the_best_plan_fits_and_is_fastest():
     for other in planner.candidate_plans(TOY, roomy, 8, 8, 8):
         other_prediction = planner.predict(TOY, roomy, other, 8)
         assert not other_prediction.fits or other_prediction.step_s >= prediction.step_s
+
+
+def test_the_calculators_settings_make_the_plan_or_say_why_not():
+    from mgpu_helpers import planner_calculator
+
+    settings = dict(model="Llama 3 70B", nodes=8, tp=8, pp=1, cp=1, zero=3, micro_batch=1,
+                    global_batch=256, length=4096, checkpointing=False)
+    plan, prediction = planner_calculator.settings_prediction(**settings)
+    assert plan == Plan(dp=8, tp=8, zero=3, micro_batch=1, micro_batches=32)
+    assert prediction.step_s == planner.predict(planner.LLAMA3_70B, planner.H100_NODES, plan,
+                                                4096).step_s
+    assert planner_calculator.settings_prediction(**{**settings, "nodes": 1, "pp": 16})[1] \
+        == "8 GPUs do not split into tp x pp x cp = 128"
+    assert "does not split into dp" in planner_calculator.settings_prediction(
+        **{**settings, "global_batch": 16, "micro_batch": 4})[1]
+    refused = planner_calculator.settings_prediction(**{**settings, "nodes": 16, "tp": 16})
+    assert refused[0] is None and "kv_heads (8) is not a multiple of tp (16)" in refused[1]
