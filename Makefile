@@ -100,7 +100,7 @@ browser: $(STAMP)
 KERNELS ?= default
 NBVAL_GENERIC := $(wildcard notebooks/02_*.ipynb notebooks/03_*.ipynb notebooks/04_*.ipynb \
   notebooks/05_*.ipynb notebooks/07_*.ipynb notebooks/10_*.ipynb \
-  notebooks/11_*.ipynb notebooks/12_*.ipynb notebooks/13_*.ipynb \
+  notebooks/11_*.ipynb notebooks/12_*.ipynb notebooks/13_*.ipynb notebooks/14_*.ipynb \
   notebooks/appendix_ddp_internals.ipynb notebooks/appendix_pipeline_details.ipynb \
   notebooks/appendix_sharding_details.ipynb notebooks/appendix_language_model_details.ipynb)
 nbval: $(STAMP)

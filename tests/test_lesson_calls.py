@@ -82,6 +82,15 @@ LESSON_CALLS: dict[str, list[tuple[tuple[str, ...], str]]] = {
         (("index_add", "index_add_"), "the weighted combine"),
         (("traffic_measured",), "the dispatch's bytes, measured"),
     ],
+    "14_composing_parallelisms_and_planning": [
+        (("init_device_mesh",), "the 3-D device mesh"),
+        (("PipelineStage",), "the pipeline stage"),
+        (("ScheduleGPipe",), "the pipeline schedule"),
+        (("parallelize_module",), "tensor parallelism inside a stage"),
+        (("fully_shard",), "FSDP2 over the data-parallel dimension"),
+        (("LocalTensorMode",), "a 64-rank mesh simulated in one process"),
+        (("planner.predict",), "the planner's prediction"),
+    ],
 }
 
 
