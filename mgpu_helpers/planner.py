@@ -203,7 +203,11 @@ LLAMA3_70B = Model("Llama 3 70B", 80, 8192, 64, 28672, 128256, kv_heads=8, gated
                    norm_parameters=1)
 LLAMA3_405B = Model("Llama 3 405B", 126, 16384, 128, 53248, 128256, kv_heads=8, gated=True,
                     norm_parameters=1)
-PUBLISHED = (LLAMA2_7B, LLAMA3_8B, LLAMA3_70B, LLAMA3_405B)
+#: Mixtral 8x7B (Jiang et al., "Mixtral of Experts", 2024, Table 1): Mistral 7B's shape
+#: with 8 SwiGLU experts per layer, 2 per token.
+MIXTRAL_8X7B = Model("Mixtral 8x7B", 32, 4096, 32, 14336, 32000, kv_heads=8, gated=True,
+                     norm_parameters=1, experts=8, top_k=2)
+PUBLISHED = (LLAMA2_7B, LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, MIXTRAL_8X7B)
 
 
 @dataclass(frozen=True)
@@ -495,10 +499,11 @@ def predict(model: Model, cluster: Cluster, plan: Plan, length: int,
         count = 2 * passes * layers * m
         calls = [("all_gather", slab / t, count), ("reduce_scatter", slab, count)]
         priced("tp", calls, t, t)
-    if plan.cp > 1:  # the ring: K, V forward (c-1 sends); K, V, dK, dV backward
-        kv_block = 2 * tokens * model.kv_dim / t * e
-        count = (plan.cp - 1) * layers * m * (1 + 2 + plan.checkpointing)
-        priced("cp", [("send", kv_block, count)], plan.cp, plan.cp * t, hidden_by=attention_s)
+    if plan.cp > 1:  # chapter 12's ring: K and V forward, c - 1 sends; backward c sends
+        kv_block = 2 * tokens * model.kv_dim / t * e  # of K, V, dK and dV (dK, dV go home)
+        forward = (plan.cp - 1) * layers * m * (1 + plan.checkpointing)
+        priced("cp", [("send", kv_block, forward), ("send", 2 * kv_block, plan.cp * layers * m)],
+               plan.cp, plan.cp * t, hidden_by=attention_s)
     if plan.ep > 1:  # dispatch and combine, forward and backward, per MoE layer
         routed = tokens * model.top_k * model.dim * e / t  # SP: each rank routes its 1/t
         count = (4 + 2 * plan.checkpointing) * layers * m

@@ -9,7 +9,8 @@ MODELS = {model.name: model for model in planner.PUBLISHED}
 
 def settings_prediction(model: str, nodes: int, tp: int, pp: int, cp: int, zero: int,
                         micro_batch: int, global_batch: int, length: int,
-                        checkpointing: bool, cluster: planner.Cluster = planner.H100_NODES):
+                        checkpointing: bool, ep: int = 1,
+                        cluster: planner.Cluster = planner.H100_NODES):
     """The plan the sliders describe (dp is what the GPUs leave) and its prediction, or
     the reason there is none (a string)."""
     gpus = nodes * cluster.gpus_per_node
@@ -19,19 +20,21 @@ def settings_prediction(model: str, nodes: int, tp: int, pp: int, cp: int, zero:
     if global_batch % (dp * micro_batch):
         return None, (f"a global batch of {global_batch} sequences does not split into "
                       f"dp {dp} x micro-batches of {micro_batch}")
-    plan = planner.Plan(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, micro_batch=micro_batch,
-                        micro_batches=global_batch // (dp * micro_batch),
-                        checkpointing=checkpointing)
     try:
+        plan = planner.Plan(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
+                            micro_batch=micro_batch,
+                            micro_batches=global_batch // (dp * micro_batch),
+                            checkpointing=checkpointing)
         return plan, planner.predict(MODELS[model], cluster, plan, length)
     except ValueError as refusal:
         return None, str(refusal)
 
 
 def calculator(**start):
-    """Sliders for the model, nodes of 8 H100s, the degrees, ZeRO's stage, the batch and
-    recomputation; prints :func:`planner.format_prediction` as they move. ``start``
-    overrides the sliders' first values. Returns the ``interactive`` panel."""
+    """Sliders for the model, nodes of 8 H100s, the degrees (ep for the mixture of
+    experts), ZeRO's stage, the batch and recomputation; prints
+    :func:`planner.format_prediction` as they move. ``start`` overrides the sliders'
+    first values. Returns the ``interactive`` panel."""
     import ipywidgets as widgets
     from IPython.display import display
 
@@ -42,6 +45,7 @@ def calculator(**start):
         "tp": widgets.SelectionSlider(options=powers[:4], value=8),
         "pp": widgets.SelectionSlider(options=powers, value=1),
         "cp": widgets.SelectionSlider(options=powers, value=1),
+        "ep": widgets.SelectionSlider(options=powers[:4], value=1),
         "zero": widgets.IntSlider(3, min=0, max=3),
         "micro_batch": widgets.SelectionSlider(options=powers[:5], value=1),
         "global_batch": widgets.SelectionSlider(options=[2**k for k in range(4, 13)],
