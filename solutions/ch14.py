@@ -1,5 +1,6 @@
 """Chapter 14: reference solutions and plausible mistakes."""
 
+import math
 from fractions import Fraction
 
 import numpy as np
@@ -150,9 +151,121 @@ def bubble_through_the_package(pp, micro_batches, virtual_stages):
     return pipeline_parallel.theoretical_bubble(pp, micro_batches, virtual_stages)
 
 
-REFERENCE = {"14.1": training_state_gb, "14.2": tp_bytes_per_step, "14.3": bubble_share}
+# ------------------------------------------------------------------ 14.4
+
+
+def fewest_gpus(parameters, layers, activations_gb_per_layer, tp, memory_gb):
+    activations = layers * activations_gb_per_layer
+    for dp in (2**k for k in range(11)):  # 1, 2, 4 ... 1024
+        state = parameters * (2 + 2 + 12) / (tp * dp) / 1e9  # ZeRO-3 over dp, split by tp
+        if state + activations <= 0.9 * memory_gb:
+            return tp * dp
+    return None
+
+
+def fewest_gpus_closed_form(parameters, layers, activations_gb_per_layer, tp, memory_gb):
+    # the exact dp needed, rounded up to a power of two: another correct way
+    room = 0.9 * memory_gb - layers * activations_gb_per_layer
+    if room <= 0:
+        return None
+    needed = parameters * 16 / tp / 1e9 / room  # the dp at which the state just fits
+    dp = 2 ** max(0, math.ceil(math.log2(needed)))
+    return np.int64(tp * dp) if dp <= 1024 else None
+
+
+def fewest_gpus_without_headroom(parameters, layers, activations_gb_per_layer, tp,
+                                 memory_gb):
+    return fewest_gpus(parameters, layers, activations_gb_per_layer, tp, memory_gb / 0.9)
+
+
+def fewest_gpus_without_activations(parameters, layers, activations_gb_per_layer, tp,
+                                    memory_gb):
+    return fewest_gpus(parameters, layers, 0.0, tp, memory_gb)
+
+
+def fewest_gpus_state_over_dp_only(parameters, layers, activations_gb_per_layer, tp,
+                                   memory_gb):
+    for dp in (2**k for k in range(11)):
+        if parameters * 16 / dp / 1e9 + layers * activations_gb_per_layer <= 0.9 * memory_gb:
+            return tp * dp
+    return None
+
+
+def fewest_gpus_returns_dp(parameters, layers, activations_gb_per_layer, tp, memory_gb):
+    gpus = fewest_gpus(parameters, layers, activations_gb_per_layer, tp, memory_gb)
+    return None if gpus is None else gpus // tp
+
+
+def fewest_gpus_exact_ceiling(parameters, layers, activations_gb_per_layer, tp, memory_gb):
+    # dp = the exact ceiling, not rounded up to a power of two
+    room = 0.9 * memory_gb - layers * activations_gb_per_layer
+    if room <= 0:
+        return None
+    dp = math.ceil(parameters * 16 / tp / 1e9 / room)
+    return tp * dp if dp <= 1024 else None
+
+
+def fewest_gpus_zero_when_impossible(parameters, layers, activations_gb_per_layer, tp,
+                                     memory_gb):
+    return fewest_gpus(parameters, layers, activations_gb_per_layer, tp, memory_gb) or 0
+
+
+def fewest_gpus_last_tried_when_impossible(parameters, layers, activations_gb_per_layer,
+                                           tp, memory_gb):
+    gpus = fewest_gpus(parameters, layers, activations_gb_per_layer, tp, memory_gb)
+    return tp * 1024 if gpus is None else gpus
+
+
+def fewest_gpus_state_in_bytes(parameters, layers, activations_gb_per_layer, tp, memory_gb):
+    for dp in (2**k for k in range(11)):
+        if parameters * 16 / (tp * dp) + layers * activations_gb_per_layer <= 0.9 * memory_gb:
+            return tp * dp
+    return None
+
+
+def fewest_gpus_strictly_below(parameters, layers, activations_gb_per_layer, tp, memory_gb):
+    for dp in (2**k for k in range(11)):
+        state = parameters * 16 / (tp * dp) / 1e9
+        if state + layers * activations_gb_per_layer < 0.9 * memory_gb:
+            return tp * dp
+    return None
+
+
+def fewest_gpus_up_to_512(parameters, layers, activations_gb_per_layer, tp, memory_gb):
+    for dp in (2**k for k in range(10)):  # range(10): 1 ... 512
+        state = parameters * 16 / (tp * dp) / 1e9
+        if state + layers * activations_gb_per_layer <= 0.9 * memory_gb:
+            return tp * dp
+    return None
+
+
+def fewest_gpus_fitted_to_one_case(parameters, layers, activations_gb_per_layer, tp,
+                                   memory_gb):
+    return 64  # what one earlier check expected for its "several doublings" case
+
+
+def fewest_gpus_through_costs(parameters, layers, activations_gb_per_layer, tp, memory_gb):
+    for dp in (2**k for k in range(11)):
+        state = costs.training_state_bytes(parameters // tp, dp, 2, 2, 12) / 1e9
+        if state + layers * activations_gb_per_layer <= 0.9 * memory_gb:
+            return tp * dp
+    return None
+
+
+def fewest_gpus_through_the_planner(parameters, layers, activations_gb_per_layer, tp,
+                                    memory_gb):
+    model = planner.Model("asked", layers=layers, dim=1024, heads=8, ffn=4096, vocab=8)
+    for dp in (2**k for k in range(11)):
+        memory = planner.stage_memory(model, planner.Plan(dp=dp, tp=tp, zero=3), 4096, 0)
+        if memory["total"] <= 0.9 * memory_gb * 1e9:
+            return tp * dp
+    return None
+
+
+REFERENCE = {"14.1": training_state_gb, "14.2": tp_bytes_per_step, "14.3": bubble_share,
+             "14.4": fewest_gpus}
 ALTERNATIVES = {"14.1": [training_state_gb_exact], "14.2": [tp_bytes_as_float],
-                "14.3": [bubble_share_as_fraction]}
+                "14.3": [bubble_share_as_fraction], "14.4": [fewest_gpus_closed_form]}
 REFUSED = "the planner is what you are checking"
 MISTAKES = {
     "14.1": [(state_gradients_whole_at_zero2, "fail", "ZeRO-2 shards the gradients"),
@@ -175,4 +288,17 @@ MISTAKES = {
              (bubble_fitted_to_one_case, "fail", "expected"),
              (bubble_through_an_alias, "error", "timeline.theoretical_bubble does not run"),
              (bubble_through_the_package, "error", REFUSED)],
+    "14.4": [(fewest_gpus_without_headroom, "fail", "10% headroom"),
+             (fewest_gpus_without_activations, "fail", "you left them out"),
+             (fewest_gpus_state_over_dp_only, "fail", "not by dp alone"),
+             (fewest_gpus_returns_dp, "fail", "you returned dp"),
+             (fewest_gpus_exact_ceiling, "fail", "is not one"),
+             (fewest_gpus_zero_when_impossible, "fail", "return None"),
+             (fewest_gpus_last_tried_when_impossible, "fail", "return None"),
+             (fewest_gpus_state_in_bytes, "fail", "your state is in bytes"),
+             (fewest_gpus_strictly_below, "fail", "you used <"),
+             (fewest_gpus_up_to_512, "fail", "you stopped at 512"),
+             (fewest_gpus_fitted_to_one_case, "fail", "expected"),
+             (fewest_gpus_through_costs, "error", REFUSED),
+             (fewest_gpus_through_the_planner, "error", REFUSED)],
 }

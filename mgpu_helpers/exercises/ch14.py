@@ -1,7 +1,8 @@
 """Chapter 14's exercises: a training configuration's numbers worked out by hand, at H100
-scale. The reader's function takes sizes and returns a number; the checker draws the sizes
-afresh on each check, computes the answer from the formula itself and, where the number
-is wrong, names the term that is. No ranks: every case runs in this process.
+scale. The reader's function takes sizes and returns a number (or None, where 14.4 asks
+for it); the checker draws the sizes afresh on each check, computes the answer from the
+formula itself and, where the number is wrong, names the term that is. No ranks: every
+case runs in this process.
 
 While the reader's function runs, the planner and what it is built from (the public
 functions of :mod:`mgpu_helpers.planner`, :mod:`mgpu_helpers.strategy`,
@@ -21,6 +22,7 @@ import math
 import random
 import sys
 from collections.abc import Callable
+from fractions import Fraction
 
 from .core import Case, Exercise, as_number, beyond, calls_during
 
@@ -372,6 +374,228 @@ def _bubble_judge(got, expected) -> str | None:
     return shown + (f": {'; or: '.join(why[:2])}" if why else "")
 
 
+# ------------------------------------------ 14.4 the cheapest configuration that fits
+
+#: A plan fits when its state and activations take at most this share of a GPU's memory:
+#: the planner's rule (``planner.predict``'s ``headroom=0.1``, and ``<=``).
+USABLE = Fraction(9, 10)
+DPS = tuple(2**k for k in range(11))  # the data-parallel sizes tried: 1, 2, 4 ... 1024
+_MEMORIES = (40, 80, 94, 141, 192)  # GB: A100, H100, H100 NVL, H200, B200
+#: The boundary case's memories: 0.9 x and 0.1 x of these are exact in binary floating
+#: point, so state + activations can equal 0.9 x memory_gb in the reader's arithmetic too.
+_BOUNDARY_MEMORIES = (40, 80)
+
+
+def _fit_state(parameters: int, tp: int, dp: int) -> Fraction:
+    """GB of training state per GPU, exactly: ZeRO-3 (FSDP) over dp, split by tp."""
+    return Fraction(parameters * sum(PER_PARAMETER), tp * dp * GB)
+
+
+def _fewest(args: tuple) -> int | None:
+    """The answer, in exact arithmetic: the first tp x dp that fits, or None."""
+    parameters, layers, per_layer, tp, memory = args
+    kept, usable = layers * Fraction(per_layer), USABLE * memory
+    return next((tp * dp for dp in DPS
+                 if _fit_state(parameters, tp, dp) + kept <= usable), None)
+
+
+def _fit_variant(args: tuple, usable=0.9, activations=True, split=True, strict=False,
+                 unit=GB, per_parameter=16, largest=DPS[-1]) -> int | None:
+    """What a reader's loop returns, in floats; the keywords make the mistakes."""
+    parameters, layers, per_layer, tp, memory = args
+    kept = layers * per_layer if activations else 0
+    for dp in (dp for dp in DPS if dp <= largest):
+        total = parameters * per_parameter / ((tp if split else 1) * dp) / unit + kept
+        if (total < usable * memory) if strict else (total <= usable * memory):
+            return tp * dp
+    return None
+
+
+def _exact_at_the_boundary(args: tuple, dp: int) -> bool:
+    """True when every usual way of writing the sum gives exactly 0.9 x memory_gb at
+    ``dp`` (a multiplication by 1e-9 rounds for some sizes: those are drawn again)."""
+    p, layers, per_layer, tp, memory = args
+    state, usable = _fit_state(p, tp, dp), USABLE * memory
+    states = (p * 16 / (tp * dp) / 1e9, p / (tp * dp) * 16 / 1e9, p * 16 / 1e9 / tp / dp,
+              p / 1e9 * 16 / (tp * dp), p * 16 / (tp * dp * 1e9), p * 16 * 1e-9 / (tp * dp),
+              p * 1e-9 * 16 / tp / dp, p / (tp * dp) * 16 * 1e-9, p * 16e-9 / (tp * dp),
+              p * 1.6e-8 / tp / dp)
+    limits = (0.9 * memory, memory * 0.9, memory * (1 - 0.1), memory - 0.1 * memory,
+              memory - memory / 10, memory * 9 / 10)
+    kept = layers * per_layer
+    in_bytes = (p * 16 / (tp * dp) + kept * 1e9, 0.9 * memory * 1e9, memory * 1e9 * 0.9)
+    return (all(Fraction(s) == state for s in states)
+            and all(Fraction(limit) == usable for limit in limits)
+            and Fraction(kept) == layers * Fraction(per_layer) == usable - state
+            and (float(state) + kept) / 0.9 == memory
+            and all(Fraction(b) == usable * GB for b in in_bytes))
+
+
+def _fit_draw(draw, kind: str) -> tuple | None:
+    if kind == "boundary":
+        memory, tp = draw.choice(_BOUNDARY_MEMORIES), draw.choice([4, 8])
+        dp, layers = 2**draw.randint(1, 9), draw.randint(8, 96)
+        per_layer = draw.randint(1, 48) / 16
+        state = USABLE * memory - layers * Fraction(per_layer)
+        if state < 1:
+            return None
+        parameters = state * GB * tp * dp / sum(PER_PARAMETER)  # a whole number
+        args = (int(parameters), layers, per_layer, tp, memory)
+        return args if _exact_at_the_boundary(args, dp) else None
+    memory, layers = draw.choice(_MEMORIES), draw.randint(16, 126)
+    tp, usable = draw.choice([1, 2, 4, 8]), 0.9 * memory
+    if kind == "dp 1":  # fits on one rank; the state not split by tp does not
+        tp = draw.choice([2, 4, 8])
+        kept = usable * draw.uniform(0.2, 0.6)
+        state = (usable - kept) * draw.uniform(0.6, 0.9)
+    elif kind in ("doublings", "1024"):
+        # at dp the plan fits with room to spare (dp's exact ceiling is not a power of
+        # two); at dp / 2 it needs some of the 10% headroom, and without activations
+        # dp / 4 would fit
+        dp = 1024 if kind == "1024" else 2**draw.randint(2, 9)
+        over = memory * draw.uniform(0.021, 0.05)
+        at_dp = over * draw.uniform(2, 4)
+        kept = usable + over - 2 * at_dp
+        state = at_dp * dp
+    elif kind == "activations":
+        kept = usable * draw.uniform(1.03, 1.3)
+        state = usable * draw.uniform(0.5, 50)
+    else:  # "beyond 1024": the activations fit, the state does not even over 1024 ranks
+        kept = usable * draw.uniform(0.85, 0.97)
+        state = DPS[-1] * (usable - kept) * draw.uniform(1.2, 3)
+    per_layer = round(kept / layers, 4)
+    parameters = max(1, round(state * tp * GB / sum(PER_PARAMETER) / 10**6)) * 10**6
+    return parameters, layers, per_layer, tp, memory
+
+
+def _fit_inputs(kind: str) -> tuple[int, int, float, int, int]:
+    draw = random.SystemRandom()
+    while (args := _fit_draw(draw, kind)) is None:
+        pass
+    return args
+
+
+def _fit_trial(fn, kind: str):
+    args = _fit_inputs(kind)
+    return _call("14.4", fn, args), {"args": args, "gpus": _fewest(args)}
+
+
+def _fit_departures(args: tuple) -> list[tuple[str, list[tuple]]]:
+    """Each way of going wrong: (keyword, [(value, weight, what it is)]), the right way
+    first; a bytes-per-parameter or GiB reading weighs more, being less likely. Readings
+    of one weight are told in this order."""
+    parameters, layers, per_layer, tp, memory = args
+    dp = (_fewest(args) or tp) // tp  # where a strict < differs, if anywhere
+    return [  # in the order ties are told: stopping short matters only at dp = 1024
+        ("largest", [(DPS[-1], 0, ""), (DPS[-2], 1, (
+            f"dp goes up to {DPS[-1]} = 2**10, included: you stopped at {DPS[-2]}"))]),
+        ("usable", [(0.9, 0, ""), (1.0, 1, "a plan fits when state + activations <= 0.9 x "
+                                           "memory_gb (10% headroom, the planner's rule): "
+                                           "you compared with all of memory_gb")]),
+        ("activations", [(True, 0, ""), (False, 1, (
+            f"each GPU also keeps layers x activations_gb_per_layer = "
+            f"{layers * per_layer:.6g} GB of activations, whatever dp is: you left them "
+            "out"))]),
+        ("split", [(True, 0, ""), (False, 1, (
+            f"tensor parallelism splits the model over tp = {tp} GPUs before FSDP shards "
+            "it over dp: divide the state by tp x dp, not by dp alone"))]),
+        ("strict", [(False, 0, ""), (True, 1, (
+            f"at dp = {dp} state + activations come to 0.9 x memory_gb = {0.9 * memory:g} "
+            "GB exactly, and that fits (<=, the planner's rule): you used <"))]),
+        ("unit", [(GB, 0, ""),
+                  (1, 1, "your state is in bytes: divide it by 10**9 to compare it with "
+                         "memory_gb (GB)"),
+                  (2**30, 1.5, "your state is in GiB (2**30 bytes): memory_gb counts GB, "
+                               "10**9 bytes")]),
+        ("per_parameter", [(16, 0, ""), (12, 1.5, (
+            "AdamW in mixed precision keeps 2 + 2 + 12 = 16 bytes a parameter (bfloat16 "
+            "weights and gradients; float32 master weights and two moments): you used "
+            "12"))]),
+    ]
+
+
+def _fit_mistake(value: float | None, args: tuple) -> str | None:
+    """What explains ``value`` (a number, or None): the readings with the fewest
+    departures from the rule that give it, two at most."""
+    tp = args[3]
+    departures = _fit_departures(args)
+    names = [name for name, _ in departures]
+    returned_dp = ("you returned dp: the task asks for the number of GPUs, tp x dp "
+                   f"(tp = {tp})")
+    found = []
+    for choice in itertools.product(*(options for _, options in departures)):
+        answer = _fit_variant(args, **dict(zip(names, (c[0] for c in choice), strict=True)))
+        weight = sum(c[1] for c in choice)
+        order = tuple(i for i, c in enumerate(choice) if c[1])
+        said = [c[2] for c in choice if c[2]]
+        if said and answer == value:
+            found.append((weight, order, said))
+        if tp > 1 and answer is not None and value == answer / tp:
+            found.append((weight + 1, (*order, len(names)), [*said, returned_dp]))
+    if not found:
+        return None
+    found.sort(key=lambda item: item[:2])
+    best = [said for weight, _, said in found if weight == found[0][0]]
+    return "; or: ".join("; ".join(said) for said in best[:2])
+
+
+def _fit_why_none(args: tuple) -> str:
+    parameters, layers, per_layer, tp, memory = args
+    kept, usable = layers * per_layer, 0.9 * memory
+    if kept >= usable:
+        return (f"the activations alone, layers x activations_gb_per_layer = {kept:.6g} GB, "
+                f"are more than 0.9 x memory_gb = {usable:.6g} GB, whatever dp is")
+    most = float(_fit_state(parameters, tp, DPS[-1])) + kept
+    return (f"even dp = {DPS[-1]} leaves {most:.6g} GB on each GPU, more than 0.9 x "
+            f"memory_gb = {usable:.6g} GB")
+
+
+def _gpus(value: float) -> str:
+    return f"{int(value)}" if value.is_integer() else f"{value:.6g}"
+
+
+def _fit_judge(got, expected) -> str | None:
+    if got["called"]:
+        return _refusal(got["called"])
+    args, right = expected["args"], expected["gpus"]
+    parameters, layers, per_layer, tp, memory = args
+    where = (f"for parameters={parameters:,}, layers={layers}, activations_gb_per_layer="
+             f"{per_layer!r}, tp={tp}, memory_gb={memory!r}")
+    value = got["value"]
+    number = as_number(value)
+    if right is None:
+        if value is None:
+            return None
+        shown = (f"{where}: expected None, got {value!r}: {_fit_why_none(args)}; return None "
+                 f"when no dp from 1 to {DPS[-1]} fits")
+        why = _fit_mistake(number, args) if number is not None else None
+        return shown + (f" (and {why})" if why else "")
+    dp = right // tp
+    shown = f"{where}: expected {right} GPUs (tp {tp} x dp {dp}), got "
+    if value is None:
+        state = float(_fit_state(parameters, tp, dp))
+        kept = layers * per_layer
+        return shown + "None: " + (_fit_mistake(None, args) or (
+            f"at dp = {dp} the state ({state:.6g} GB) and the activations ({kept:.6g} GB) "
+            f"come to {state + kept:.6g} GB, within 0.9 x memory_gb = {0.9 * memory:.6g} "
+            "GB"))
+    if number is None:
+        return (f"{where}: expected a number of GPUs (or None where no dp fits), got "
+                f"{type(value).__name__}")
+    if number == right:
+        return None
+    shown += _gpus(number) if math.isfinite(number) else f"{number}"
+    if not (math.isfinite(number) and number.is_integer()):
+        return shown + ": a number of GPUs is whole: tp x dp"
+    whole = int(number)
+    if whole > 0 and whole % tp == 0 and (whole // tp) & (whole // tp - 1):
+        return (shown + f": dp is a power of two (1, 2, 4 ... {DPS[-1]}): you returned tp x "
+                f"{whole // tp}, and {whole // tp} is not one; the smallest power of two "
+                f"that fits is {dp}")
+    why = _fit_mistake(number, args)
+    return shown + (f": {why}" if why else "")
+
+
 EXERCISES = [
     Exercise(
         key="14.1", difficulty=1, minutes=15,
@@ -414,5 +638,21 @@ EXERCISES = [
               "stage's layers at a time) and idles while the pipeline fills and drains",
               "the idle pieces are p - 1, as long as the busy ones: the idle share is "
               "(p - 1) / (v·m + p - 1)"),
+    ),
+    Exercise(
+        key="14.4", difficulty=2, minutes=20,
+        title="the cheapest configuration that fits", function="fewest_gpus",
+        cases=[Case("fits on dp = 1, sizes drawn afresh", ("dp 1",)),
+               Case("several doublings of dp", ("doublings",)),
+               Case("state + activations exactly 0.9 x memory_gb at some dp", ("boundary",)),
+               Case("the activations alone do not fit", ("activations",)),
+               Case("not even dp = 1024 is enough", ("beyond 1024",)),
+               Case("dp = 1024, the last to try", ("1024",))],
+        trial=_fit_trial, judge=_fit_judge,
+        hint=("each GPU holds parameters x 16 bytes / (tp x dp) of state (ZeRO-3 shards all "
+              "of it over dp; divide by 10**9 for GB) and layers x activations_gb_per_layer "
+              "GB of activations, whatever dp is",
+              "try dp = 1, 2, 4 ... 1024 in turn and return tp x dp at the first where state "
+              "+ activations <= 0.9 x memory_gb; if none does, return None"),
     ),
 ]
