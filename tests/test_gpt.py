@@ -206,11 +206,9 @@ def test_a_global_batch_splits_into_equal_rank_shares():
         lm.rank_rows([rows], 0, 5)
 
 
-def test_the_reference_run_learns_the_task():
-    task = RecallTask()
-    model, losses = lm.train_reference(task, 260, 64, lr=2e-3, dim=64, layers=2, heads=4)
-    assert losses[-1] < 0.2 * losses[0]
-    assert lm.exact_match(model, *task.sequences(256, lm.HELD_OUT_SEED)) > 0.9
+# That the reference run learns the task (more than 90% of held-out sequences exactly
+# right after 260 steps) is chapter 12's check on the reader's run (section 6, the same
+# run), which nbval repeats in `make test`: a unit test here trained it a second time.
 
 
 def test_next_token_loss_counts_answers():
