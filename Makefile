@@ -91,7 +91,7 @@ browser: $(STAMP)
 # theory, which assumes pieces of equal time, and its pieces are cut at equal FLOPs, which
 # the generic kernels turn into unequal times (GPipe idled 6 to 7 points above the theory
 # there, failing the fresh-clone runs). Chapters whose compared outputs are computed
-# numbers (02 to 05, 07, 10 to 13, and the appendices
+# numbers (02 to 05, 07, 10 to 14, and the appendices
 # holding their digressions) run on PyTorch's generic
 # kernels (ATEN_CPU_CAPABILITY=default), standing in for another CPU: their outputs were
 # stored with this machine's best kernels, so a number printed past its precision fails
