@@ -46,7 +46,7 @@ Assumptions, stated once (each is a choice real frameworks also offer):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from . import costs
 from .models.gpt import GPTConfig
@@ -311,7 +311,6 @@ class Prediction:
     step_s: float
     mfu: float
     tokens_per_step: int
-    notes: list[str] = field(default_factory=list)
 
     @property
     def exposed_s(self) -> float:
