@@ -35,6 +35,7 @@ from torchvision.transforms import v2
 from .data import ImageDataset, loader_generator, prepare_digits, seed_worker
 from .models import SeedCNN
 from .precision import AMP_CHOICES, amp_dtype
+from .preemption import NOTICE_SIGNALS, PreemptionNotice, requeue_job
 from .ranks import device as rank_device
 from .ranks import is_main, print0, rank, world_size
 from .train import evaluate, load_checkpoint, save_checkpoint, train_one_epoch
@@ -55,7 +56,10 @@ class DigitsRun:
     accumulate)``, rounded (see :func:`batch_plan`). ``lr`` is Adam's learning rate for
     a global batch of ``REFERENCE_BATCH``; it decays along a cosine to 0 at the end.
     ``stop_after`` ends the run after that many epochs (as if it had been interrupted);
-    running again with the same checkpoint resumes.
+    running again with the same checkpoint resumes. ``requeue_on`` ("USR1") makes the
+    run stop at the next optimizer step when that signal comes (SLURM's warning before
+    the time limit or a preemption, ``sbatch --signal=USR1@120``), save its place in the
+    epoch, and requeue its SLURM job, which resumes there (``preemption``).
 
     A field's ``metadata`` holds its option's help text and allowed values:
     ``scripts/train_ddp.py`` derives its options from the fields (``cli.add_options``).
@@ -73,6 +77,10 @@ class DigitsRun:
     limit: int | None = field(default=None, metadata={
         "help": "train on the first N training images only (quick runs)"})
     workers: int = field(default=0, metadata={"help": "DataLoader workers per rank"})
+    requeue_on: str | None = field(default=None, metadata={
+        "choices": NOTICE_SIGNALS,
+        "help": "on this signal (sbatch --signal=USR1@120), save at the next step and "
+                "requeue the SLURM job, which resumes there (needs a checkpoint)"})
     accumulate: int = field(default=1, metadata={
         "help": "batches per optimizer step (gradient accumulation, no_sync)"})
     amp: str | None = field(default=None, metadata={
@@ -102,6 +110,11 @@ class DigitsRun:
                              f"got {self.amp!r}")
         if self.checkpoint is not None:
             self.checkpoint = Path(self.checkpoint)
+        if self.requeue_on is not None:
+            PreemptionNotice(self.requeue_on)  # refuses a signal it cannot wait for
+            if self.checkpoint is None:
+                raise ValueError("requeue_on needs a checkpoint to save the run in: give "
+                                 "checkpoint=Path(...) (the script's --checkpoint)")
 
 
 @dataclass(frozen=True)
@@ -156,8 +169,17 @@ def train_digits(run: DigitsRun) -> dict:
 
     The history has one entry per epoch run in this call (not the resumed ones):
     train loss/accuracy, test accuracy (if ``evaluate_every_epoch``), seconds, and
-    samples/s over all ranks.
+    samples/s over all ranks. A run stopped by ``requeue_on``'s signal returns
+    ``"preempted": {"epoch", "batches_done"}`` instead of test metrics.
     """
+    if run.requeue_on is None:
+        return _train_digits(run, None)
+    # First of all: until the handler is in place, the signal would end the process.
+    with PreemptionNotice(run.requeue_on) as notice:
+        return _train_digits(run, notice)
+
+
+def _train_digits(run: DigitsRun, notice: PreemptionNotice | None) -> dict:
     train_set, test_set = digits_datasets(run)
     sampler = DistributedSampler(train_set, shuffle=True, seed=run.seed)
     device = rank_device()
@@ -175,20 +197,32 @@ def train_digits(run: DigitsRun) -> dict:
     scaler = (torch.amp.GradScaler(device.type) if low_precision == torch.float16 else None)
 
     say = print0 if run.verbose else (lambda *args, **kwargs: None)
-    start_epoch = 0
+    start_epoch, skip = 0, 0
     if run.checkpoint is not None and run.checkpoint.exists():
         state = load_checkpoint(run.checkpoint, ddp_model, optimizer, restore_rng=False)
         start_epoch = state["epoch"]
+        # Saved on a warning in the middle of an epoch: that epoch's first batches are done.
+        skip = state["extra"].get("batches_done", 0)
         scheduler.load_state_dict(state["extra"]["scheduler"])
         if scaler is not None and "scaler" in state["extra"]:
             scaler.load_state_dict(state["extra"]["scaler"])
-        say(f"resuming from {run.checkpoint} at epoch {start_epoch}")
+        say(f"resuming from {run.checkpoint} at epoch {start_epoch}"
+            + (f", batch {skip}" if skip else ""))
+    if notice is not None:  # every rank holds its handler: all passed DDP's broadcast
+        say(f"on SIG{notice.name}: save at the next step and requeue the job")
     say(f"global batch {batches.global_batch} = {world_size()} rank(s) x "
         f"{batches.per_rank}" + (f" x {run.accumulate} accumulated" if run.accumulate > 1
                                  else "") + f"; peak learning rate {batches.lr:.2g}")
 
     last_epoch = run.epochs if run.stop_after is None else min(run.epochs, run.stop_after)
     history = []
+    stopped_at = []  # the batches done in its epoch when every rank agreed to stop
+
+    def stop(done: int) -> bool:
+        if notice.agreed(device):
+            stopped_at.append(done)
+        return bool(stopped_at)
+
     for epoch in range(start_epoch, last_epoch):
         torch.manual_seed(run.seed + 1000 * epoch + rank())  # this epoch's augmentation
         sampler.set_epoch(epoch)  # without it every epoch repeats the same order
@@ -199,16 +233,26 @@ def train_digits(run: DigitsRun) -> dict:
         metrics = train_one_epoch(ddp_model, loader, optimizer, device=device, epoch=epoch,
                                   progress=run.progress, accumulate=run.accumulate,
                                   amp_dtype=low_precision, scaler=scaler,
-                                  scheduler=scheduler)
+                                  scheduler=scheduler, skip=skip if epoch == start_epoch else 0,
+                                  stop=stop if notice is not None else None)
         seconds = time.perf_counter() - started
-        entry = {"epoch": epoch, "loss": metrics.loss, "accuracy": metrics.accuracy,
-                 "seconds": seconds, "samples_per_s": metrics.samples / seconds}
+        done = stopped_at[0] if stopped_at and stopped_at[0] < len(loader) else 0
         if run.checkpoint is not None:
-            extra = {"scheduler": scheduler.state_dict()}
+            extra = {"scheduler": scheduler.state_dict(), "batches_done": done}
             if scaler is not None:
                 extra["scaler"] = scaler.state_dict()
-            save_checkpoint(run.checkpoint, ddp_model, optimizer, epoch=epoch + 1,
-                            extra=extra)
+            save_checkpoint(run.checkpoint, ddp_model, optimizer,
+                            epoch=epoch if done else epoch + 1, extra=extra)
+        if stopped_at:
+            # Said before requeueing: SLURM ends this run as it requeues the job.
+            say(f"SIG{notice.name}: saved {run.checkpoint} at epoch {epoch}, batch "
+                f"{stopped_at[0]} of {len(loader)}; requeueing")
+            if is_main():
+                say(requeue_job())
+            return {"settings": _settings(run), "history": history,
+                    "preempted": {"epoch": epoch, "batches_done": stopped_at[0]}}
+        entry = {"epoch": epoch, "loss": metrics.loss, "accuracy": metrics.accuracy,
+                 "seconds": seconds, "samples_per_s": metrics.samples / seconds}
         message = f"epoch {epoch}: train {metrics}"
         if run.evaluate_every_epoch:
             entry["test_accuracy"] = evaluate(model, test_set, device=device).accuracy
@@ -218,7 +262,10 @@ def train_digits(run: DigitsRun) -> dict:
 
     result = evaluate(model, test_set, device=device)
     say(f"test {result}")
-    settings = {key: str(value) if isinstance(value, Path) else value
-                for key, value in asdict(run).items()}
-    return {"settings": settings, "history": history, "test": {
+    return {"settings": _settings(run), "history": history, "test": {
         "loss": result.loss, "accuracy": result.accuracy, "samples": result.samples}}
+
+
+def _settings(run: DigitsRun) -> dict:
+    return {key: str(value) if isinstance(value, Path) else value
+            for key, value in asdict(run).items()}

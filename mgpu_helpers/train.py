@@ -147,7 +147,8 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
                     progress: bool = True, accumulate: int = 1,
                     amp_dtype: torch.dtype | None = None,
                     scaler: torch.amp.GradScaler | None = None,
-                    scheduler=None, loss_fn: LossFn = classification_loss) -> Metrics:
+                    scheduler=None, loss_fn: LossFn = classification_loss,
+                    skip: int = 0, stop: Callable[[int], bool] | None = None) -> Metrics:
     """One pass over ``loader``: forward and loss (``loss_fn``), backward, step.
 
     Args:
@@ -173,12 +174,20 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
         scheduler: a learning-rate scheduler, stepped after every optimizer step.
         loss_fn: what one batch costs (see :data:`LossFn`); default an image
             classifier's cross-entropy on ``(images, labels)`` batches.
+        skip: batches already trained on (an epoch resumed in its middle): they are
+            loaded, so that their random augmentations are drawn again, but not trained on.
+        stop: called after every optimizer step with the number of batches done in this
+            epoch (skipped ones included); the epoch ends there when it returns True.
+            Every rank must get the same answer: ``preemption.PreemptionNotice.agreed``.
 
     Returns:
-        The epoch's mean loss and accuracy over all ranks' items.
+        The mean loss and accuracy over all ranks' items trained on in this call.
     """
     if not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(f"accumulate must be a whole number >= 1, got {accumulate!r}")
+    if not isinstance(skip, int) or skip < 0 or skip % accumulate:
+        raise ValueError(f"skip must be a whole number of optimizer steps' batches (a "
+                         f"multiple of accumulate={accumulate}), got {skip!r}")
     device = torch.device(device) if device is not None else rank_device()
     model.train()
     totals = _Totals(device)
@@ -188,6 +197,8 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
                        disable=not (progress and is_main()))
     optimizer.zero_grad(set_to_none=True)
     for step, batch in enumerate(bar):
+        if step < skip:
+            continue
         group_start = step - step % accumulate
         group_size = 1 if batches is None else min(accumulate, batches - group_start)
         steps_now = step == group_start + group_size - 1
@@ -207,6 +218,8 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
             if scheduler is not None:
                 scheduler.step()
         totals.add(cost)
+        if steps_now and stop is not None and stop(step + 1):
+            break
     bar.close()
     return totals.global_metrics()
 

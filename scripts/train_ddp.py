@@ -5,12 +5,16 @@
     torchrun --nnodes 2 --node-rank K --nproc-per-node 4 --rdzv-backend c10d \
         --rdzv-endpoint HOST0:29400 --rdzv-id JOB scripts/train_ddp.py
     srun --ntasks-per-node 4 python scripts/train_ddp.py          # SLURM, no torchrun
+    sbatch scripts/train_ddp.sbatch           # SLURM batch job: saves and requeues on warning
 
 The training itself is chapter 05's `mgpu_helpers.recipe.train_digits`. It saves a
 checkpoint after every epoch and resumes from it when restarted, so
 `torchrun --max-restarts 1` survives a killed rank and finishes with the same weights as
 an uninterrupted run (bitwise, on CPU): every epoch's data order and augmentation are
-seeded from (seed, epoch, rank) alone, never from what happened before.
+seeded from (seed, epoch, rank) alone, never from what happened before. With
+`--requeue-on USR1` a SLURM job warned before its end (`sbatch --signal=USR1@120`, or
+`scancel --signal=USR1 JOB`) saves at the next step and requeues itself; the requeued
+job resumes at that batch, with the same final weights.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from mgpu_helpers.recipe import DigitsRun, train_digits
 #: text beside the field. The others (stop_after, augment, evaluate_every_epoch, progress,
 #: verbose) serve the notebook.
 OPTIONS = ("epochs", "global_batch", "lr", "seed", "checkpoint", "limit", "workers",
-           "accumulate", "amp")
+           "accumulate", "amp", "requeue_on")
 
 
 def parse_args(argv=None) -> tuple[DigitsRun, argparse.Namespace]:

@@ -87,7 +87,7 @@ def test_fields_that_cannot_be_options_are_named():
 # ------------------------------------------------------ scripts/train_ddp.py
 
 #: `python scripts/train_ddp.py --help` (200 columns) before its options were derived
-#: from DigitsRun's fields.
+#: from DigitsRun's fields, with the one option added since (--requeue-on).
 TRAIN_DDP_OPTIONS = """\
 options:
   -h, --help            show this help message and exit
@@ -105,6 +105,8 @@ square-root rule for other global batches)
   --amp {auto,bfloat16,float16}
                         mixed precision: auto (bfloat16 where supported, else float16 with a \
 scaler), bfloat16 or float16
+  --requeue-on {USR1,USR2}
+                        on this signal (sbatch --signal=USR1@120), save at the next step and requeue the SLURM job, which resumes there (needs a checkpoint)
   --nprocs NPROCS       ranks to launch when not under torchrun/SLURM (default: GPUs)
   --result RESULT       write the history and test metrics here as JSON (rank 0)
 """

@@ -11,7 +11,9 @@ import mgpu_helpers as mh
 def work():
     value = torch.ones(1)
     dist.all_reduce(value)
-    return f"pid {os.getpid()} rank {mh.rank()} world {mh.world_size()} sum {value.item():.0f}"
+    task = os.environ.get("SLURM_TASK_PID", "-")  # srun's task: this process, if srun started it
+    return (f"pid {os.getpid()} task {task} rank {mh.rank()} world {mh.world_size()} "
+            f"sum {value.item():.0f}")
 
 
 if __name__ == "__main__":
