@@ -24,7 +24,7 @@ LAB_PORT ?= 8888
 # Jupyter refuses to start as root (containers often run as root) unless told to.
 LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab test unit-lane notebook-lane check lint unit nbval nbval-kernels browser gpu-check gpu-wheels notebooks \
+.PHONY: venv lab test unit-lane notebook-lane check lint unit nbval nbval-kernels browser slurm-test gpu-check gpu-wheels notebooks \
   nav bench bench-store figures screenshots pins clean
 
 venv: $(STAMP)
@@ -92,6 +92,18 @@ unit: $(STAMP)
 # Screenshots go to runs/browser/ (BROWSER_ARTIFACTS=dir to change).
 browser: $(STAMP)
 	$(BIN)/pytest tests/browser
+
+# The SLURM tests on a one-node cluster of this machine, started for them and stopped after
+# (tools/slurm_cluster.py; needs root and Debian's slurmctld slurmd slurm-client munge).
+# `make test` runs the same tests on any cluster SLURM_CONF names (.ci/run starts one),
+# and skips them, saying so, where it names none.
+slurm-test: $(STAMP)
+	@folder=$$(mktemp -d /tmp/mgpu-slurm.XXXXXX); \
+	conf=$$(python3 tools/slurm_cluster.py start $$folder) || exit 1; \
+	trap 'python3 tools/slurm_cluster.py stop '$$folder INT TERM; \
+	SLURM_CONF=$$conf MGPU_REQUIRE_SLURM=1 $(BIN)/pytest tests/test_slurm.py $(TEST_ARGS); \
+	status=$$?; python3 tools/slurm_cluster.py stop $$folder; \
+	[ $$status -ne 0 ] || rm -rf $$folder; exit $$status
 
 # Chapter 06 runs on the best kernels: its checks hold pipeline timings to the schedules'
 # theory, which assumes pieces of equal time, and its pieces are cut at equal FLOPs, which

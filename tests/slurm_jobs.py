@@ -58,14 +58,14 @@ def free_port() -> int:
 
 
 def job_env(**extra: str) -> dict[str, str]:
-    """The environment jobs get (sbatch, srun and salloc pass theirs on): this Python's
-    folder first on PATH, so that ``python`` in a job is the one running the tests; one
-    intra-op thread per process, as ``mh.launch`` gives its ranks, so that runs compare
-    bitwise; a fresh rendezvous port (job ids restart at 1 with every new cluster, so
-    the default port from the job id can collide between two clusters' jobs)."""
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("SLURM_JOB", "SLURM_STEP", "RANK", "WORLD_SIZE",
-                                  "LOCAL_RANK", "MASTER_"))}
+    """The environment jobs get (sbatch, srun and salloc pass theirs on): none of this
+    process's SLURM or torchrun variables but SLURM_CONF (the jobs would show them);
+    this Python's folder first on PATH, so that ``python`` in a job is the one running
+    the tests; one intra-op thread per process, as ``mh.launch`` gives its ranks, so
+    that runs compare bitwise; a fresh rendezvous port (job ids restart at 1 with every
+    new cluster, so the default port from the job id can collide between clusters)."""
+    env = {key: value for key, value in os.environ.items() if key == "SLURM_CONF" or not
+           key.startswith(("SLURM", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
     env["PATH"] = f"{Path(PYTHON).parent}{os.pathsep}{env.get('PATH', '')}"
     env.update(OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()), **extra)
     return env

@@ -106,7 +106,8 @@ square-root rule for other global batches)
                         mixed precision: auto (bfloat16 where supported, else float16 with a \
 scaler), bfloat16 or float16
   --requeue-on {USR1,USR2}
-                        on this signal (sbatch --signal=USR1@120), save at the next step and requeue the SLURM job, which resumes there (needs a checkpoint)
+                        on this signal (sbatch --signal=USR1@120), save at the next step \
+and requeue the SLURM job, which resumes there (needs a checkpoint)
   --nprocs NPROCS       ranks to launch when not under torchrun/SLURM (default: GPUs)
   --result RESULT       write the history and test metrics here as JSON (rank 0)
 """

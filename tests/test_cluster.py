@@ -6,21 +6,23 @@ carries (tests/slurm_env.py) and run launch() in a cell.
 """
 
 import json
+from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_notebook
-from slurm_env import batch_allocation, srun_task
+from slurm_env import batch_allocation, salloc_shell, srun_task
 
 from mgpu_helpers.cluster import ClusterEnvironmentError, cluster_environment, slurm_step_tasks
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
-def test_a_batch_allocation_is_not_a_rank():
-    assert slurm_step_tasks(batch_allocation(4)) is None
-    assert cluster_environment(batch_allocation(4)) is None
+@pytest.mark.parametrize("allocation", [batch_allocation, salloc_shell])
+def test_a_batch_step_or_a_salloc_command_is_not_a_rank(allocation):
+    assert slurm_step_tasks(allocation(4)) is None
+    assert cluster_environment(allocation(4)) is None
 
 
 @pytest.mark.parametrize("task", [0, 1, 2])
@@ -78,17 +80,9 @@ def run_cells(tmp_path, *sources):
             for cell in notebook.cells]
 
 
-WHERE_AM_I = '''
-import json, os
-import mgpu_helpers as mh
-
-def where_am_i():
-    return {"rank": mh.rank(), "world": mh.world_size(), "pid": os.getpid()}
-
-ranks = mh.launch(where_am_i, nprocs=2, backend="gloo", return_all=True, join_timeout=120)
-print(json.dumps({"ranks": ranks, "kernel": os.getpid(),
-                  "slurm_ntasks": os.environ.get("SLURM_NTASKS")}))
-'''
+# A cell that launches 2 ranks and reports where they and the kernel are (also run in a
+# real batch job and salloc shell by tests/test_slurm.py).
+WHERE_AM_I = (Path(__file__).parent / "launch_scripts" / "where_am_i.py").read_text()
 
 
 @pytest.mark.slow
@@ -98,9 +92,9 @@ def test_kernel_in_a_4_task_batch_allocation_starts_2_local_ranks(tmp_path, monk
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_STEP_ID", "SLURM_STEPID"):
         monkeypatch.delenv(key, raising=False)
     seen = json.loads(run_cells(tmp_path, WHERE_AM_I)[0])
-    assert seen["slurm_ntasks"] == "4"  # the kernel did inherit the allocation
+    assert seen["slurm"]["SLURM_NTASKS"] == "4"  # the kernel did inherit the allocation
     assert [(r["rank"], r["world"]) for r in seen["ranks"]] == [(0, 2), (1, 2)]
-    assert seen["kernel"] not in {r["pid"] for r in seen["ranks"]}  # ranks of its own
+    assert seen["launcher"] not in {r["pid"] for r in seen["ranks"]}  # ranks of its own
 
 
 def test_srun_tasks_get_torchruns_variables(monkeypatch):
