@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -172,98 +173,93 @@ def train_digits(run: DigitsRun) -> dict:
     samples/s over all ranks. A run stopped by ``requeue_on``'s signal returns
     ``"preempted": {"epoch", "batches_done"}`` instead of test metrics.
     """
-    if run.requeue_on is None:
-        return _train_digits(run, None)
     # First of all: until the handler is in place, the signal would end the process.
-    with PreemptionNotice(run.requeue_on) as notice:
-        return _train_digits(run, notice)
+    with (PreemptionNotice(run.requeue_on) if run.requeue_on is not None
+          else nullcontext()) as notice:
+        train_set, test_set = digits_datasets(run)
+        sampler = DistributedSampler(train_set, shuffle=True, seed=run.seed)
+        device = rank_device()
+        batches = batch_plan(run, world_size())
 
+        torch.manual_seed(run.seed)  # equal weights (DDP checks shapes, broadcasts rank 0's)
+        model = SeedCNN().to(device)
+        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        optimizer = torch.optim.Adam(ddp_model.parameters(), lr=batches.lr)
+        steps_per_epoch = math.ceil(math.ceil(len(sampler) / batches.per_rank) / run.accumulate)
+        warmup = steps_per_epoch if batches.lr != run.lr else 0  # from run.lr to the scaled rate
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
+            step, run.epochs * steps_per_epoch, warmup, run.lr / batches.lr))
+        low_precision = amp_dtype(run.amp, device)
+        scaler = (torch.amp.GradScaler(device.type) if low_precision == torch.float16 else None)
 
-def _train_digits(run: DigitsRun, notice: PreemptionNotice | None) -> dict:
-    train_set, test_set = digits_datasets(run)
-    sampler = DistributedSampler(train_set, shuffle=True, seed=run.seed)
-    device = rank_device()
-    batches = batch_plan(run, world_size())
+        say = print0 if run.verbose else (lambda *args, **kwargs: None)
+        start_epoch, skip = 0, 0
+        if run.checkpoint is not None and run.checkpoint.exists():
+            state = load_checkpoint(run.checkpoint, ddp_model, optimizer, restore_rng=False)
+            start_epoch = state["epoch"]
+            # Saved on a warning in the middle of an epoch: that epoch's first batches are done.
+            skip = state["extra"].get("batches_done", 0)
+            scheduler.load_state_dict(state["extra"]["scheduler"])
+            if scaler is not None and "scaler" in state["extra"]:
+                scaler.load_state_dict(state["extra"]["scaler"])
+            say(f"resuming from {run.checkpoint} at epoch {start_epoch}"
+                + (f", batch {skip}" if skip else ""))
+        if notice is not None:  # every rank holds its handler: all passed DDP's broadcast
+            say(f"on SIG{notice.name}: save at the next step and requeue the job")
+        say(f"global batch {batches.global_batch} = {world_size()} rank(s) x "
+            f"{batches.per_rank}" + (f" x {run.accumulate} accumulated" if run.accumulate > 1
+                                     else "") + f"; peak learning rate {batches.lr:.2g}")
 
-    torch.manual_seed(run.seed)  # equal initial weights (DDP checks shapes, broadcasts rank 0's)
-    model = SeedCNN().to(device)
-    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.Adam(ddp_model.parameters(), lr=batches.lr)
-    steps_per_epoch = math.ceil(math.ceil(len(sampler) / batches.per_rank) / run.accumulate)
-    warmup = steps_per_epoch if batches.lr != run.lr else 0  # from run.lr to the scaled rate
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(
-        step, run.epochs * steps_per_epoch, warmup, run.lr / batches.lr))
-    low_precision = amp_dtype(run.amp, device)
-    scaler = (torch.amp.GradScaler(device.type) if low_precision == torch.float16 else None)
+        last_epoch = run.epochs if run.stop_after is None else min(run.epochs, run.stop_after)
+        history = []
+        stopped_at = []  # the batches done in its epoch when every rank agreed to stop
 
-    say = print0 if run.verbose else (lambda *args, **kwargs: None)
-    start_epoch, skip = 0, 0
-    if run.checkpoint is not None and run.checkpoint.exists():
-        state = load_checkpoint(run.checkpoint, ddp_model, optimizer, restore_rng=False)
-        start_epoch = state["epoch"]
-        # Saved on a warning in the middle of an epoch: that epoch's first batches are done.
-        skip = state["extra"].get("batches_done", 0)
-        scheduler.load_state_dict(state["extra"]["scheduler"])
-        if scaler is not None and "scaler" in state["extra"]:
-            scaler.load_state_dict(state["extra"]["scaler"])
-        say(f"resuming from {run.checkpoint} at epoch {start_epoch}"
-            + (f", batch {skip}" if skip else ""))
-    if notice is not None:  # every rank holds its handler: all passed DDP's broadcast
-        say(f"on SIG{notice.name}: save at the next step and requeue the job")
-    say(f"global batch {batches.global_batch} = {world_size()} rank(s) x "
-        f"{batches.per_rank}" + (f" x {run.accumulate} accumulated" if run.accumulate > 1
-                                 else "") + f"; peak learning rate {batches.lr:.2g}")
+        def stop(done: int) -> bool:
+            if notice.agreed(device):
+                stopped_at.append(done)
+            return bool(stopped_at)
 
-    last_epoch = run.epochs if run.stop_after is None else min(run.epochs, run.stop_after)
-    history = []
-    stopped_at = []  # the batches done in its epoch when every rank agreed to stop
+        for epoch in range(start_epoch, last_epoch):
+            torch.manual_seed(run.seed + 1000 * epoch + rank())  # this epoch's augmentation
+            sampler.set_epoch(epoch)  # without it every epoch repeats the same order
+            loader = DataLoader(train_set, batch_size=batches.per_rank, sampler=sampler,
+                                num_workers=run.workers, worker_init_fn=seed_worker,
+                                generator=loader_generator(run.seed + epoch, rank()))
+            started = time.perf_counter()
+            metrics = train_one_epoch(ddp_model, loader, optimizer, device=device, epoch=epoch,
+                                      progress=run.progress, accumulate=run.accumulate,
+                                      amp_dtype=low_precision, scaler=scaler,
+                                      scheduler=scheduler, skip=skip if epoch == start_epoch else 0,
+                                      stop=stop if notice is not None else None)
+            seconds = time.perf_counter() - started
+            done = stopped_at[0] if stopped_at and stopped_at[0] < len(loader) else 0
+            if run.checkpoint is not None:
+                extra = {"scheduler": scheduler.state_dict(), "batches_done": done}
+                if scaler is not None:
+                    extra["scaler"] = scaler.state_dict()
+                save_checkpoint(run.checkpoint, ddp_model, optimizer,
+                                epoch=epoch if done else epoch + 1, extra=extra)
+            if stopped_at:
+                # Said before requeueing: SLURM ends this run as it requeues the job.
+                say(f"SIG{notice.name}: saved {run.checkpoint} at epoch {epoch}, batch "
+                    f"{stopped_at[0]} of {len(loader)}; requeueing")
+                if is_main():
+                    say(requeue_job())
+                return {"settings": _settings(run), "history": history,
+                        "preempted": {"epoch": epoch, "batches_done": stopped_at[0]}}
+            entry = {"epoch": epoch, "loss": metrics.loss, "accuracy": metrics.accuracy,
+                     "seconds": seconds, "samples_per_s": metrics.samples / seconds}
+            message = f"epoch {epoch}: train {metrics}"
+            if run.evaluate_every_epoch:
+                entry["test_accuracy"] = evaluate(model, test_set, device=device).accuracy
+                message += f"; test accuracy {entry['test_accuracy']:.2%}"
+            say(message)
+            history.append(entry)
 
-    def stop(done: int) -> bool:
-        if notice.agreed(device):
-            stopped_at.append(done)
-        return bool(stopped_at)
-
-    for epoch in range(start_epoch, last_epoch):
-        torch.manual_seed(run.seed + 1000 * epoch + rank())  # this epoch's augmentation
-        sampler.set_epoch(epoch)  # without it every epoch repeats the same order
-        loader = DataLoader(train_set, batch_size=batches.per_rank, sampler=sampler,
-                            num_workers=run.workers, worker_init_fn=seed_worker,
-                            generator=loader_generator(run.seed + epoch, rank()))
-        started = time.perf_counter()
-        metrics = train_one_epoch(ddp_model, loader, optimizer, device=device, epoch=epoch,
-                                  progress=run.progress, accumulate=run.accumulate,
-                                  amp_dtype=low_precision, scaler=scaler,
-                                  scheduler=scheduler, skip=skip if epoch == start_epoch else 0,
-                                  stop=stop if notice is not None else None)
-        seconds = time.perf_counter() - started
-        done = stopped_at[0] if stopped_at and stopped_at[0] < len(loader) else 0
-        if run.checkpoint is not None:
-            extra = {"scheduler": scheduler.state_dict(), "batches_done": done}
-            if scaler is not None:
-                extra["scaler"] = scaler.state_dict()
-            save_checkpoint(run.checkpoint, ddp_model, optimizer,
-                            epoch=epoch if done else epoch + 1, extra=extra)
-        if stopped_at:
-            # Said before requeueing: SLURM ends this run as it requeues the job.
-            say(f"SIG{notice.name}: saved {run.checkpoint} at epoch {epoch}, batch "
-                f"{stopped_at[0]} of {len(loader)}; requeueing")
-            if is_main():
-                say(requeue_job())
-            return {"settings": _settings(run), "history": history,
-                    "preempted": {"epoch": epoch, "batches_done": stopped_at[0]}}
-        entry = {"epoch": epoch, "loss": metrics.loss, "accuracy": metrics.accuracy,
-                 "seconds": seconds, "samples_per_s": metrics.samples / seconds}
-        message = f"epoch {epoch}: train {metrics}"
-        if run.evaluate_every_epoch:
-            entry["test_accuracy"] = evaluate(model, test_set, device=device).accuracy
-            message += f"; test accuracy {entry['test_accuracy']:.2%}"
-        say(message)
-        history.append(entry)
-
-    result = evaluate(model, test_set, device=device)
-    say(f"test {result}")
-    return {"settings": _settings(run), "history": history, "test": {
-        "loss": result.loss, "accuracy": result.accuracy, "samples": result.samples}}
+        result = evaluate(model, test_set, device=device)
+        say(f"test {result}")
+        return {"settings": _settings(run), "history": history, "test": {
+            "loss": result.loss, "accuracy": result.accuracy, "samples": result.samples}}
 
 
 def _settings(run: DigitsRun) -> dict:

@@ -13,9 +13,12 @@ The configuration is what a real cluster needs on a 2-core container without sys
 the node advertises 8 CPUs (``SlurmdParameters=config_overrides``), or a 4-task job on 2
 cores would pend forever instead of running; no cgroups (``proctrack/linuxproc``,
 ``task/none``); every port on loopback (``NoCtldInAddrAny,NoInAddrAny``); jobs start as
-soon as they are submitted (``batch_sched_delay=0``); a cancelled job's processes get 2 s
-between SIGTERM and SIGKILL (``KillWait``), and a finished job stays visible to
-``scontrol show job`` for 10 minutes (``MinJobAge``).
+soon as they are submitted (``batch_sched_delay=0``); a requeued job may start again 5 s
+after its requeue (``cred_expire=5``; 120 s by default) and the scheduler looks every
+second (``sched_interval=1``; 60 s by default): a requeued job restarts in about 6 s
+instead of 150; a cancelled job's processes get 2 s between SIGTERM and SIGKILL
+(``KillWait``), and a finished job stays visible to ``scontrol show job`` for 10 minutes
+(``MinJobAge``).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def check_traversable(folder: Path) -> None:
     permissions" is not what it says: it says the socket is inaccessible); a
     ``mktemp -d`` folder is mode 700, so a cluster folder must not sit under one."""
     for parent in folder.resolve().parents:
-        if not parent.stat().st_mode & stat.S_IXOTH:
+        if parent.exists() and not parent.stat().st_mode & stat.S_IXOTH:
             raise ClusterError(
                 f"{parent} is not enterable by other users (mode "
                 f"{stat.filemode(parent.stat().st_mode)}), and munged refuses a socket "
@@ -132,9 +135,9 @@ def start(folder: Path) -> Path:
     if (folder / "slurm.conf").exists():
         raise ClusterError(f"{folder} already holds a cluster: stop it first "
                            f"(python3 tools/slurm_cluster.py stop {folder})")
+    check_traversable(folder)  # the folder itself is made enterable here
     folder.mkdir(parents=True, exist_ok=True)
     folder.chmod(0o711)
-    check_traversable(folder / "munge")
     for sub in ("munge", "state", "spool"):
         (folder / sub).mkdir(exist_ok=True)
     (folder / "munge").chmod(0o711)
@@ -148,12 +151,16 @@ def start(folder: Path) -> Path:
     conf.write_text(configuration(folder, user, ctld_port, slurmd_port))
 
     munge = folder / "munge"
-    run_daemon(["munged", f"--socket={munge}/munge.socket", f"--key-file={key}",
-                f"--pid-file={munge}/munged.pid", f"--log-file={munge}/munged.log",
-                f"--seed-file={munge}/munged.seed"], folder, "munge/munged.log")
-    run_daemon(["slurmctld", "-f", str(conf)], folder, "slurmctld.log")
-    run_daemon(["slurmd", "-f", str(conf), "-N", "localhost"], folder, "slurmd.log")
-    wait_until_idle(conf)
+    try:
+        run_daemon(["munged", f"--socket={munge}/munge.socket", f"--key-file={key}",
+                    f"--pid-file={munge}/munged.pid", f"--log-file={munge}/munged.log",
+                    f"--seed-file={munge}/munged.seed"], folder, "munge/munged.log")
+        run_daemon(["slurmctld", "-f", str(conf)], folder, "slurmctld.log")
+        run_daemon(["slurmd", "-f", str(conf), "-N", "localhost"], folder, "slurmd.log")
+        wait_until_idle(conf)
+    except (ClusterError, subprocess.TimeoutExpired):
+        stop(folder)  # leave nothing running after a failed start
+        raise
     (folder / "env").write_text(f"export SLURM_CONF={conf}\n")
     return conf
 
@@ -263,8 +270,6 @@ def main(argv=None) -> int:
                   file=sys.stderr)
     except ClusterError as error:
         print(f"slurm_cluster: {error}", file=sys.stderr)
-        if args.action == "start" and (folder / "slurm.conf").exists():
-            stop(folder)  # leave nothing running after a failed start
         return 1
     return 0
 
