@@ -3,8 +3,10 @@
 A cluster ends jobs: at their time limit, or early, to make room for another (preemption).
 SLURM can warn a job first. ``#SBATCH --signal=USR1@120`` sends SIGUSR1 to every task of
 the job's steps 120 s before the time limit (or up to 60 s earlier: the resolution sbatch's
-manual gives); ``scancel --signal=USR1 JOB`` sends it at once, which
-is how an administrator or a test preempts. What a training run does with the warning:
+manual gives); ``scancel --signal=USR1 JOB`` sends it at once (by hand, or in a test). A
+preemption sends it only where the site asks for it
+(``SlurmctldParameters=preempt_send_user_signal``, with the job's ``--signal``). What a
+training run does with the warning:
 
 1. **Notice it without dying.** SIGUSR1's default action ends the process; a handler
    (:class:`PreemptionNotice`) only records that it came.
@@ -76,7 +78,9 @@ class PreemptionNotice:
 
     def agreed(self, device: torch.device | None = None) -> bool:
         """Whether any rank got the signal: a collective, so every rank calls it at the
-        same point (after each optimizer step) and all get the same answer there."""
+        same point (after each optimizer step) and all get the same answer there.
+        ``device`` is where the group's backend reduces (the rank's GPU under NCCL); on a
+        GPU, reading the answer waits for the step's kernels, a small cost per step."""
         if not (dist.is_available() and dist.is_initialized()):
             return self._received
         flag = torch.tensor([int(self._received)], device=device)
