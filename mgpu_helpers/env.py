@@ -30,6 +30,7 @@ from .backend import (
     plan_for,
 )
 from .devices import GPU, CudaProbe, count_gpus, cuda_driver_loaded, cuda_probe, probe_cuda
+from .precision import auto_amp
 from .visible_devices import ENV_VAR, VisibleDevices, parse_cuda_visible_devices
 
 __all__ = [  # the report, and the names that moved to .backend and .devices
@@ -73,6 +74,7 @@ class EnvReport:
     visible_devices: VisibleDevices
     plan: DevicePlan
     problems: tuple[str, ...] = field(default_factory=tuple)
+    mixed_precision: str = ""  # what amp="auto" computes in here, and why
 
     @property
     def cuda_available(self) -> bool:
@@ -109,6 +111,8 @@ class EnvReport:
             (ENV_VAR, f"{shown}: {self.visible_devices.meaning}"),
         ]
         plan = [("Workbook plan", self.plan.summary)]
+        if self.mixed_precision:
+            plan.append(("Mixed precision", f'amp="auto": {self.mixed_precision}'))
         plan += [("Problem", p) for p in self.problems]
         return [("Software", software), ("Hardware", hardware), ("Plan", plan)]
 
@@ -178,7 +182,21 @@ def describe(probe: CudaProbe | None = None) -> EnvReport:
         plan=plan_for(len(probe.gpus), nccl_built, usable,
                       gpus_without_cuda=probe.unusable_gpus),
         problems=tuple(problems),
+        mixed_precision=mixed_precision_summary(probe.gpus),
     )
+
+
+def mixed_precision_summary(gpus: tuple[GPU, ...]) -> str:
+    """What ``amp="auto"`` computes in on the devices the plan uses, with the reason:
+    the GPUs' compute capability where there are GPUs (read from the probe, so CUDA stays
+    untouched here), else this CPU's bfloat16 instructions (:func:`.precision.auto_amp`)."""
+    if not gpus:
+        return str(auto_amp("cpu"))
+    oldest = min(gpu.capability for gpu in gpus)
+    if oldest >= (8, 0):
+        return f"bfloat16 (GPUs of compute capability {oldest[0]}.{oldest[1]} or later)"
+    return (f"float16 with a GradScaler (a GPU of compute capability {oldest[0]}.{oldest[1]} "
+            "has no bfloat16)")
 
 
 def _cuda_start_problem(probe: CudaProbe) -> str | None:

@@ -103,8 +103,8 @@ square-root rule for other global batches)
   --accumulate ACCUMULATE
                         batches per optimizer step (gradient accumulation, no_sync)
   --amp {auto,bfloat16,float16}
-                        mixed precision: auto (bfloat16 where supported, else float16 with a \
-scaler), bfloat16 or float16
+                        mixed precision: auto (bfloat16 where the hardware computes it; else \
+float16 with a scaler on GPUs, float32 on CPUs), bfloat16 or float16
   --requeue-on {USR1,USR2}
                         on this signal (sbatch --signal=USR1@120), save at the next step \
 and requeue the SLURM job, which resumes there (needs a checkpoint)
