@@ -13,13 +13,11 @@ WITH_NB_ENV := tests/with_notebook_env.sh
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb)) \
   $(sort $(wildcard notebooks/appendix_*.ipynb))
 LANDING := notebooks/start_here.ipynb
-# A cell may take up to 15 minutes (pytest-timeout's 300 s for the unit tests is too short
-# for some CPUs): mixed precision ("auto") trains in bfloat16 on a CPU, which a CPU without
-# native bfloat16 (AVX2 only, as most laptops) emulates about 12 times slower than float32
-# (chapter 08's digits run: 2.4 s a batch against 0.2 s on an AMD EPYC with AVX2), and
-# chapter 08's ablation cell then took 206 s alone and over 300 s beside the unit lane.
+# A cell that runs past 300 s fails with every thread's stack. No cell should come near it:
+# a whole chapter runs within 60 s on a 2-core CPU, with or without native bfloat16
+# (mixed precision "auto" picks float32 where bfloat16 would be emulated).
 NBVAL_FLAGS := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
-  --timeout=900
+  --timeout=300
 LAB_PORT ?= 8888
 # Jupyter refuses to start as root (containers often run as root) unless told to.
 LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)

@@ -117,11 +117,13 @@ def prepare_digits(root: Path | None = None, progress: bool = True) -> Path:
         root: folder for the tree; default ``data_dir() / "digits"``.
         progress: show a progress bar while writing.
     """
-    from sklearn.datasets import load_digits
-
     root = Path(root) if root is not None else data_dir() / "digits"
 
     def write_digits(staging: Path) -> None:
+        # imported only to build the tree: scikit-learn takes about a second to import,
+        # in every process (rank, script, kernel) that merely checks the tree
+        from sklearn.datasets import load_digits
+
         digits = load_digits()
         seen_per_class: dict[int, int] = {}
         for index in progress_bar(range(len(digits.target)), desc="Writing digits",
@@ -139,9 +141,9 @@ def prepare_digits(root: Path | None = None, progress: bool = True) -> Path:
 
 def prepare_photos(root: Path | None = None) -> Path:
     """Copy scikit-learn's two sample photographs (china.jpg, flower.jpg); return the folder."""
-    from sklearn.datasets import load_sample_images
-
     def copy_photos(staging: Path) -> None:
+        from sklearn.datasets import load_sample_images  # only to build the folder
+
         for source in load_sample_images().filenames:
             shutil.copyfile(source, staging / Path(source).name)
 

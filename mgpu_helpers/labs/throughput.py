@@ -120,9 +120,12 @@ def timed_epoch(options: TrainingOptions, per_rank_samples: int, batch_size: int
     warmup = Subset(dataset, range(rank() * warmup_batches * batch_size,
                                    (rank() + 1) * warmup_batches * batch_size))
     # static_graph records the graph in the first iteration, which must synchronise:
-    # warm up without accumulation (no_sync in a first iteration trips DDP's reducer)
-    train_one_epoch(model, DataLoader(warmup, **loader_args), optimizer,
-                    **(epoch_args | {"accumulate": 1}))
+    # warm up without accumulation (no_sync in a first iteration trips DDP's reducer).
+    # The warm-up warms the model, DDP and the allocator, not the loader: read in this
+    # process (a worker started for one batch would cost more than the timed epoch).
+    warmup_loader = DataLoader(warmup, **(loader_args | {"num_workers": 0,
+                                                         "persistent_workers": False}))
+    train_one_epoch(model, warmup_loader, optimizer, **(epoch_args | {"accumulate": 1}))
     loader = DataLoader(dataset, sampler=sampler, generator=loader_generator(0, rank()),
                         **loader_args)
     batches = _StartedLoader(loader)  # the workers start (and prefetch) before the clock
