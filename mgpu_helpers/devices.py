@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .private_apis import nvml_device_count
+from .private_apis import cudnn_library_version, nvml_device_count
 
 PROBE_TIMEOUT_S = 120.0
 
@@ -88,6 +88,9 @@ def probe_cuda(timeout: float = PROBE_TIMEOUT_S) -> CudaProbe:
     """
     if not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    known = no_driver_answer()
+    if known is not None:  # nothing for the child to find: spare its start (2 s of CPU)
+        return known
     command = [sys.executable, "-m", "mgpu_helpers._cuda_probe"]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
@@ -104,6 +107,30 @@ def probe_cuda(timeout: float = PROBE_TIMEOUT_S) -> CudaProbe:
         return CudaProbe(probe_error=f"the CUDA probe printed something unreadable ({exc})")
     # what the driver lists, CUDA started or not (NVML: fork-safe here, same visibility)
     return dataclasses.replace(probe, listed_gpus=_nvml_listed())
+
+
+# Where a process reaches an NVIDIA GPU: the driver's device nodes (on the machine, and in
+# a container given a GPU) and WSL 2's paravirtual GPU. CUDA finds no GPU without one.
+NVIDIA_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/dxg")
+#: What CUDA answers without a driver (the first sentence of its error, as the child says).
+NO_DRIVER_ERROR = "Found no NVIDIA driver on your system."
+
+
+def no_driver_answer() -> CudaProbe | None:
+    """The child's answer where it is known without asking: a CUDA build of PyTorch on
+    Linux with none of the :data:`NVIDIA_NODES`, where CUDA can only say it found no
+    driver. The library versions come from this process (reading them starts no driver).
+    None anywhere else: a ROCm build, another system, a machine with a node."""
+    if not sys.platform.startswith("linux") or torch.version.cuda is None or torch.version.hip:
+        return None
+    if any(os.path.exists(node) for node in NVIDIA_NODES):
+        return None
+    cudnn = cudnn_library_version()
+    nccl = None
+    if torch.distributed.is_available() and torch.distributed.is_nccl_available():
+        nccl = ".".join(str(part) for part in torch.cuda.nccl.version())
+    return CudaProbe(cuda_error=NO_DRIVER_ERROR, cudnn_version=cudnn, nccl_version=nccl,
+                     listed_gpus=_nvml_listed())
 
 
 def _nvml_listed() -> int:

@@ -57,6 +57,17 @@ def nvml_device_count() -> int:
     return _find(torch.cuda, "_device_count_nvml", "count GPUs without initialising CUDA")()
 
 
+def cudnn_library_version() -> int | None:
+    """cuDNN's version as an integer (92400), read from the library alone, or None in a
+    build without cuDNN. ``torch.backends.cudnn.version()`` answers the same but first
+    calls ``torch.cuda.is_available()``, a CUDA call that a process forking ranks must not
+    make; the environment report asks this in the notebook kernel itself."""
+    cudnn = getattr(torch._C, "_cudnn", None)
+    if cudnn is None:
+        return None
+    return int(_find(cudnn, "getVersionInt", "read cuDNN's version without CUDA")())
+
+
 def cuda_in_bad_fork() -> bool:
     """True in a process forked from one that had initialised CUDA: CUDA cannot work here.
     The public calls raise only once CUDA is used; a launched rank asks first so that it

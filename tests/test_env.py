@@ -127,8 +127,11 @@ def test_describe_never_touches_cuda_in_process(monkeypatch):
         monkeypatch.setattr(torch.cuda, name, touched)
     monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", touched, raising=False)
     report = describe()  # the real probe, in a child process
-    assert report.problems == ()
+    assert report.problems == ()  # the probe answered (no probe_error)
     assert not torch.cuda.is_initialized()
+    # and its answer is self-consistent: an error or GPUs, numbered from 0
+    assert (report.cuda_error is None) == bool(report.gpus)
+    assert [g.index for g in report.gpus] == list(range(len(report.gpus)))
 
 
 @pytest.mark.slow
@@ -146,12 +149,10 @@ def test_ipython_shows_the_text_table():
     assert pretty(report) == str(report)
 
 
-@pytest.mark.slow
-def test_real_probe_is_self_consistent():
-    probe = probe_cuda()
-    assert probe.probe_error is None
-    assert (probe.cuda_error is None) == bool(probe.gpus)
-    assert [g.index for g in probe.gpus] == list(range(len(probe.gpus)))
+def ask_the_child(monkeypatch):
+    """The probe asks its child even where the answer is known without it (no NVIDIA
+    device node: devices.no_driver_answer), so that the child's failures are seen."""
+    monkeypatch.setattr(devices, "no_driver_answer", lambda: None, raising=False)
 
 
 def test_probe_timeout_is_reported_not_raised(monkeypatch):
@@ -159,6 +160,7 @@ def test_probe_timeout_is_reported_not_raised(monkeypatch):
         raise subprocess.TimeoutExpired(cmd="probe", timeout=1)
 
     monkeypatch.setattr(devices.subprocess, "run", hang)
+    ask_the_child(monkeypatch)
     report = describe()
     assert not report.cuda_available
     assert "did not answer within" in report.problems[0]
@@ -174,6 +176,7 @@ def test_probe_failures_are_reported(monkeypatch, returncode, stdout, expected):
         return subprocess.CompletedProcess(args, returncode, stdout=stdout, stderr="x\nboom\n")
 
     monkeypatch.setattr(devices.subprocess, "run", fake_run)
+    ask_the_child(monkeypatch)
     assert expected in probe_cuda().probe_error
 
 
@@ -191,24 +194,37 @@ def test_doctor_prints_report_and_exits_zero():
     assert done.stderr == ""
 
 
-@pytest.mark.slow
-def test_doctor_json_is_machine_readable():
-    done = subprocess.run([sys.executable, "-m", "mgpu_helpers", "--json"],
-                          capture_output=True, text=True, check=True)
-    report = json.loads(done.stdout)
+@pytest.mark.parametrize("machine", ["no GPU", "2 GPUs"])
+def test_doctor_json_is_machine_readable(monkeypatch, capsys, nccl_built, machine):
+    # The doctor's own command (and the real probe) run in the test above; here its
+    # --json output, on a simulated machine with and without GPUs.
+    from mgpu_helpers.__main__ import main
+
+    probe = NO_DRIVER if machine == "no GPU" else simulated_gpus(2)
+    monkeypatch.setattr(env, "cuda_probe", lambda refresh=False: probe)
+    assert main(["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
     assert report["torch"] == torch.__version__
-    assert report["plan"]["backend"] in ("gloo", "cpu:gloo,cuda:nccl")
+    assert report["plan"]["backend"] == ("gloo" if machine == "no GPU" else
+                                         "cpu:gloo,cuda:nccl")
+    assert len(report["gpus"]) == len(probe.gpus)
 
 
+# Whether the stub driver says it was started is read from the environment at each call,
+# so that one child process asks it both ways.
 STUB_DRIVER = """
-int cuCtxGetCurrent(void **context) { *context = 0; return STARTED ? 0 : 3; }
+#include <stdlib.h>
+int cuCtxGetCurrent(void **context) {
+    const char *started = getenv("STUB_STARTED");
+    *context = 0;
+    return started && started[0] == '1' ? 0 : 3;  /* 3: CUDA_ERROR_NOT_INITIALIZED */
+}
 int cuInit(unsigned int flags) { return 100; }  /* CUDA_ERROR_NO_DEVICE */
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
-@pytest.mark.parametrize("started", [False, True])
-def test_a_mapped_driver_counts_as_started_only_once_initialised(tmp_path, started):
+def test_a_mapped_driver_counts_as_started_only_once_initialised(tmp_path):
     # On a GPU node `import torch` maps libcuda.so.1 (cuBLASLt opens it) without cuInit:
     # a stub driver on LD_LIBRARY_PATH stands in for it, answering as the real one would.
     compiler = shutil.which("cc") or shutil.which("gcc")
@@ -216,15 +232,31 @@ def test_a_mapped_driver_counts_as_started_only_once_initialised(tmp_path, start
         pytest.skip("no C compiler to build a stub libcuda.so.1")
     source = tmp_path / "stub.c"
     source.write_text(STUB_DRIVER)
-    subprocess.run([compiler, "-shared", "-fPIC", f"-DSTARTED={int(started)}", "-o",
-                    str(tmp_path / "libcuda.so.1"), str(source)], check=True)
-    probe = ("import torch\n"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(tmp_path / "libcuda.so.1"),
+                    str(source)], check=True)
+    probe = ("import os, torch\n"
              "from mgpu_helpers.devices import cuda_driver_loaded\n"
              "mapped = any('/libcuda.so' in line for line in open('/proc/self/maps'))\n"
-             "print(mapped, cuda_driver_loaded())")
+             "answers = []\n"
+             "for started in '01':\n"
+             "    os.environ['STUB_STARTED'] = started\n"
+             "    answers.append(cuda_driver_loaded())\n"
+             "print(mapped, *answers)")
     environment = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", probe], env=environment, check=True,
                          capture_output=True, text=True).stdout.split()
     if out[0] != "True":
         pytest.skip("this torch build does not open libcuda.so.1 on import")
-    assert out[1] == str(started)
+    assert out[1:] == ["False", "True"]  # not started, then started
+
+
+def test_report_says_what_auto_mixed_precision_computes_in(monkeypatch, nccl_built):
+    monkeypatch.setattr(torch.cpu, "get_capabilities",
+                        lambda: {"architecture": "x86_64", "avx2": True})
+    assert re.search(r'Mixed precision\s+amp="auto": float32 \(this CPU has no bfloat16 '
+                     r'instructions', str(describe(NO_DRIVER)))
+    assert 'amp="auto": bfloat16 (GPUs of compute capability 9.0' in str(
+        describe(simulated_gpus(2)))
+    t4 = CudaProbe(gpus=(GPU(0, "Tesla T4", 16_000_000_000, (7, 5)),),
+                   cudnn_version=90100, nccl_version="2.21.5")
+    assert 'amp="auto": float16 with a GradScaler' in str(describe(t4))

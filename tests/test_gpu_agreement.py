@@ -35,6 +35,9 @@ class Machine:
         monkeypatch.setattr(devices.torch.version, "cuda", "13.0")
         monkeypatch.setattr(devices, "nvml_device_count", lambda: self.listed)
         monkeypatch.setattr(devices.subprocess, "run", self.run_probe)
+        # a GPU machine has NVIDIA device nodes: the answer is never known without the
+        # child (devices.no_driver_answer, where there is none)
+        monkeypatch.setattr(devices, "no_driver_answer", lambda: None, raising=False)
         monkeypatch.setattr(env.dist, "is_nccl_available", lambda: True)
         monkeypatch.setattr(checks.dist, "is_nccl_available", lambda: True)
 
