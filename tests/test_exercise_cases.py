@@ -18,6 +18,7 @@ from mgpu_helpers.exercises import core
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
+
 @pytest.fixture(autouse=True)
 def private_progress(tmp_path, monkeypatch):
     monkeypatch.setenv("MGPU_EXERCISE_PROGRESS", str(tmp_path / "progress.json"))

@@ -20,6 +20,7 @@ from solutions import ch01, ch02, ch04, ch07, ch08, ch09
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
+
 @pytest.fixture(autouse=True)
 def private_progress(tmp_path, monkeypatch):
     monkeypatch.setenv("MGPU_EXERCISE_PROGRESS", str(tmp_path / "progress.json"))

@@ -20,6 +20,7 @@ EXERCISES = exercises.registry()
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
+
 @pytest.fixture(autouse=True)
 def private_progress(tmp_path, monkeypatch):
     monkeypatch.setenv("MGPU_EXERCISE_PROGRESS", str(tmp_path / "progress.json"))
@@ -44,9 +45,9 @@ def stub(*args):
     raise NotImplementedError("write this function")
 
 
-def quick(exercise):
+def quick(exercise, seconds=6.0):
     # a mistake that hangs waits for the whole timeout: keep it short in the tests
-    return dataclasses.replace(exercise, timeout=min(exercise.timeout, 6.0))
+    return dataclasses.replace(exercise, timeout=min(exercise.timeout, seconds))
 
 
 def test_every_exercise_has_a_key_a_reference_and_a_mistake():
@@ -61,15 +62,23 @@ def test_every_exercise_has_a_key_a_reference_and_a_mistake():
 
 
 @pytest.mark.parametrize("key", [slow_if_torchrun(key) for key in EXERCISES])
-def test_the_reference_solution_passes_every_case(key):
+def test_the_reference_solution_passes_every_case(key, monkeypatch):
     import torch
 
+    # a check in this process (cases of world 0; 05.4's runs torchrun from here) keeps the
+    # reader's random state, and seeds no GPU's generator (torch.manual_seed seeds, or
+    # queues a seed for, every GPU's)
+    seeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: seeded.append(seed))
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: seeded.append(seed))
+    torch.manual_seed(123)
+    seeded.clear()
     before = torch.get_rng_state()
     report = exercises.run(key, solutions(EXERCISES[key].chapter).REFERENCE[key])
-    if key in TORCHRUN:  # its check runs in this process: the reader's state is kept
-        assert torch.equal(torch.get_rng_state(), before)
     assert report.passed, "\n".join(report.lines())
     assert report.lines()[-1] == f"all {len(EXERCISES[key].cases)} cases passed"
+    assert torch.equal(torch.get_rng_state(), before)
+    assert seeded == []
 
 
 @pytest.mark.parametrize("key", list(EXERCISES))
@@ -95,28 +104,6 @@ def test_other_correct_solutions_pass_too(key, index):
     right = solutions(EXERCISES[key].chapter).ALTERNATIVES[key][index]
     report = core.evaluate(EXERCISES[key], right)
     assert report.passed, "\n".join(report.lines())
-
-
-# (05.4's check runs torchrun from this process: its reference test checks the state too)
-IN_PROCESS = [key for key, exercise in EXERCISES.items()
-              if any(case.world == 0 for case in exercise.cases) and key not in TORCHRUN]
-
-
-@pytest.mark.parametrize("key", IN_PROCESS)
-def test_a_check_in_this_process_leaves_torchs_random_state_alone(key, monkeypatch):
-    import torch
-
-    seeded = []  # torch.manual_seed seeds (or queues a seed for) every GPU's generator
-    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: seeded.append(seed))
-    monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: seeded.append(seed))
-    torch.manual_seed(123)
-    seeded.clear()
-    before = torch.get_rng_state()
-    exercise = dataclasses.replace(EXERCISES[key], cases=[
-        case for case in EXERCISES[key].cases if case.world == 0])
-    assert core.evaluate(exercise, solutions(exercise.chapter).REFERENCE[key]).passed
-    assert torch.equal(torch.get_rng_state(), before)
-    assert seeded == []
 
 
 def test_a_judge_that_cannot_compare_is_a_failed_case_not_a_crash():
@@ -167,29 +154,43 @@ MISTAKES = [pytest.param(key, index, marks=[pytest.mark.slow]
                 solutions(exercise.chapter).MISTAKES.get(key, []))]
 
 
+def first_case_that_shows(exercise, wrong, status, phrase):
+    """The report of the first case, checked alone, whose outcome is ``status`` and whose
+    report says ``phrase``; else of every case. A mistake the checker names in an early
+    case needs no run of the later ones (the checker itself runs them all, each on its
+    own ranks: one case's report is what it shows for that case)."""
+    for case in exercise.cases:
+        report = core.evaluate(dataclasses.replace(exercise, cases=[case]), wrong)
+        if status in {o.status for o in report.outcomes} and phrase in "\n".join(
+                report.lines()):
+            return report
+    return core.evaluate(exercise, wrong)
+
+
 @pytest.mark.parametrize(("key", "index"), MISTAKES)
 def test_each_plausible_mistake_fails_and_says_why(key, index):
     exercise = EXERCISES[key]
     wrong, status, phrase = solutions(exercise.chapter).MISTAKES[key][index]
-    report = core.evaluate(quick(exercise), wrong)
+    if status == "hang":  # in the first case: every rank stopped, the other cases skipped
+        report = core.evaluate(quick(exercise, seconds=2.0), wrong)
+        assert [o.status for o in report.outcomes] == ["hang"] + ["skip"] * (
+            len(report.outcomes) - 1), "\n".join(report.lines())
+        # the fixture no_leftover_processes checks that no rank is left running
+    elif key in TORCHRUN:  # the last case starts 2 ranks, the first 3
+        report = first_case_that_shows(dataclasses.replace(
+            exercise, cases=exercise.cases[::-1]), wrong, status, phrase)
+    else:
+        report = first_case_that_shows(quick(exercise), wrong, status, phrase)
     assert not report.passed
     assert status in {o.status for o in report.outcomes}, "\n".join(report.lines())
     text = "\n".join(report.lines())
     assert phrase in text and re.search(r"Hint( 1 of \d+)?: ", text), text  # or a ladder
 
 
-@pytest.mark.slow  # waits for the timeout
-def test_a_hang_stops_every_rank_and_skips_the_remaining_cases():
-    wrong = solutions("03").bidirectional_everyone_sends_first
-    report = core.evaluate(quick(EXERCISES["03.1"]), wrong)
-    assert [o.status for o in report.outcomes] == ["hang"] + ["skip"] * (
-        len(report.outcomes) - 1)
-    # the fixture no_leftover_processes checks that no rank is left running
-
-
 def test_an_error_in_a_rank_shows_the_readers_frames_only():
-    wrong = solutions("03").bidirectional_that_raises
-    text = "\n".join(core.evaluate(EXERCISES["03.1"], wrong).lines())
+    wrong = solutions("03").bidirectional_that_raises  # raises in every case: one will do
+    first = dataclasses.replace(EXERCISES["03.1"], cases=EXERCISES["03.1"].cases[:1])
+    text = "\n".join(core.evaluate(first, wrong).lines())
     assert "IndexError: list index out of range" in text
     assert "solutions/ch03.py" in text and "chunks[world] += 1" in text
     assert "mgpu_helpers" not in text  # no launcher or harness frames
@@ -214,13 +215,13 @@ def test_is_stub_tells_the_shipped_stub_from_an_attempt():
 
 
 def test_a_check_prints_and_records_progress(capsys, private_progress):
-    exercises.check("03.2", solutions("03").reduce_scatter)
+    exercises.check("01.1", solutions("01").channel_stats)  # its cases run in this process
     printed = capsys.readouterr().out
-    assert printed.startswith("Exercise 03.2 · ") and "all 3 cases passed" in printed
-    assert progress.passed() == {"03.2": True}
-    exercises.check("03.2", stub)  # not attempted: nothing recorded, nothing lost
-    assert progress.passed() == {"03.2": True}
-    assert exercises.chapter_progress()["03"] == (1, len([k for k in EXERCISES if k[:2] == "03"]))
+    assert printed.startswith("Exercise 01.1 · ") and "all 3 cases passed" in printed
+    assert progress.passed() == {"01.1": True}
+    exercises.check("01.1", stub)  # not attempted: nothing recorded, nothing lost
+    assert progress.passed() == {"01.1": True}
+    assert exercises.chapter_progress()["01"] == (1, len([k for k in EXERCISES if k[:2] == "01"]))
 
 
 def test_progress_survives_a_corrupt_file_and_an_unknown_key_is_named(private_progress):

@@ -427,8 +427,9 @@ def _statistics_judge(got, expected) -> str | None:
 
 SAMPLES, FEATURES, CLASSES = 96, 8, 3
 SAMPLER_SEED, BATCH_SIZE, LEARNING_RATE, MOMENTUM = 7, 8, 0.1, 0.9
-# How long one torchrun run of the reader's script may take: 5 to 10 s on 2 cores, most of
-# it torchrun's and each worker's start (importing torch).
+# How long one torchrun run of the reader's script may take once every worker has started
+# (scripts.run_under_torchrun): a few seconds on 2 cores; starting torchrun and its workers
+# before that (each imports torch), 5 to 10 s more, is not counted.
 SCRIPT_TIMEOUT_S = 60.0
 # Two trainings of the tiny model on the same batches agree to float32 rounding; a
 # different order of the samples, or another start, moves the weights by 1e-3 or more.

@@ -6,8 +6,10 @@ a script file, and :func:`run_under_torchrun` runs it as torchrun would on one n
 each worker started through this module (``-m mgpu_helpers.exercises.scripts``), which
 writes down, per rank, what the script wrote into the watched folder (saves, files
 opened for writing, renames) and the traceback of an exception it raised, in the
-reader's frames. A run that outlives its time is stopped whole: torchrun's workers run
-in sessions of their own, so each is killed by its process group, then torchrun.
+reader's frames. The run's time counts from when every worker has started (starting
+torchrun and its workers, seconds each on a busy machine, is not the script's time); a run
+that outlives it is stopped whole: torchrun's workers run in sessions of their own, so
+each is killed by its process group, then torchrun.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -34,6 +37,11 @@ _LIBRARY = tuple(sorted({sysconfig.get_paths()[name] for name in
                          ("stdlib", "platstdlib", "purelib", "platlib")}))
 # After torchrun is told to stop, how long it may take to stop its workers itself.
 _STOP_GRACE_S = 10.0
+# Seconds torchrun and its workers may take to start, on top of the run's own time, which
+# counts from when every worker has started.
+STARTUP_ALLOWANCE_S = 60.0
+# How often a run is looked at: ended, every worker started, out of time.
+_POLL_S = 0.1
 
 
 class ScriptSourceError(ValueError):
@@ -78,7 +86,9 @@ def run_under_torchrun(script: Path, nprocs: int, args: list[str], watched: Path
     """Runs ``script`` with ``args`` under torchrun with ``nprocs`` workers on this CPU and
     returns what happened. ``watched`` is the folder whose writes are recorded, ``notes``
     an empty folder for the workers' notes (outside ``watched``), ``cwd`` the working
-    directory. After ``timeout`` seconds every worker and torchrun are stopped."""
+    directory. ``timeout`` seconds after every worker has started (or
+    ``STARTUP_ALLOWANCE_S`` later than that after torchrun started, if some never do),
+    every worker and torchrun are stopped."""
     env = {**os.environ,
            # CPU check: gloo on every machine, so the result can be compared exactly with
            # the checker's own CPU reference, and GPUs (if any) are left alone
@@ -93,16 +103,38 @@ def run_under_torchrun(script: Path, nprocs: int, args: list[str], watched: Path
     process = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                errors="replace", start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-        returncode = process.returncode
-    except subprocess.TimeoutExpired:
+    output: list[str] = []  # read meanwhile: a full pipe would stop the workers' prints
+    reader = threading.Thread(target=lambda: output.append(process.stdout.read()),
+                              name="torchrun-output", daemon=True)
+    reader.start()
+    returncode = _wait_for_the_run(process, notes, nprocs, timeout, started)
+    if returncode is None:
         _stop(process, notes)
-        output, _ = process.communicate()
-        returncode = None
-    return ScriptRun(shown, returncode, output, time.monotonic() - started,
+    reader.join()
+    process.stdout.close()
+    process.wait()
+    return ScriptRun(shown, returncode, "".join(output), time.monotonic() - started,
                      errors=_read_errors(notes), writes=_read_writes(notes),
                      pids=_read_pids(notes))
+
+
+def _wait_for_the_run(process: subprocess.Popen, notes: Path, nprocs: int, timeout: float,
+                      started: float) -> int | None:
+    """torchrun's exit status, or None once the run is out of time: ``timeout`` seconds
+    after its ``nprocs`` workers have all started (each writes its pid first), or after
+    ``timeout + STARTUP_ALLOWANCE_S`` in all."""
+    backstop = started + timeout + STARTUP_ALLOWANCE_S
+    deadline = None
+    while True:
+        try:
+            return process.wait(timeout=_POLL_S)
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if deadline is None and len(_read_pids(notes)) >= nprocs:
+            deadline = now + timeout
+        if now >= backstop or (deadline is not None and now >= deadline):
+            return None
 
 
 def _stop(process: subprocess.Popen, notes: Path) -> None:
