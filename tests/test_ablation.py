@@ -349,12 +349,15 @@ def test_checkpoint_differences_compares_every_part_bitwise():
 
 
 def resume_badly(run, broken):
-    """Inside a rank: chapter 05's run resumed with one part of its state not restored."""
+    """Inside a rank: chapter 05's run resumed with one part of its state not restored
+    (``broken``; None restores everything). What it patches is put back afterwards."""
     import torch
     from torch.utils.data import DistributedSampler
 
     from mgpu_helpers.recipe import train_digits
 
+    saved = (DistributedSampler.set_epoch, torch.manual_seed,
+             torch.optim.lr_scheduler.LambdaLR.load_state_dict)
     if broken == "sampler epoch":  # set_epoch forgotten: the resumed epoch repeats epoch 0
         original = DistributedSampler.set_epoch
         DistributedSampler.set_epoch = lambda self, epoch: original(self, 0)
@@ -364,33 +367,46 @@ def resume_badly(run, broken):
                                            else torch.default_generator)[1]
     elif broken == "lr schedule":  # the scheduler starts over at step 0
         torch.optim.lr_scheduler.LambdaLR.load_state_dict = lambda self, state: None
-    return train_digits(run)
+    try:
+        return train_digits(run)
+    finally:
+        (DistributedSampler.set_epoch, torch.manual_seed,
+         torch.optim.lr_scheduler.LambdaLR.load_state_dict) = saved
+
+
+BROKEN = (None, "sampler epoch", "rng", "lr schedule")
+
+
+def resume_every_way(runs):
+    """Inside a rank: each (run, broken) of ``runs`` in turn, in one world."""
+    return [resume_badly(run, broken) for run, broken in runs]
 
 
 @pytest.mark.slow
-def test_a_resume_that_forgets_part_of_the_state_differs_from_the_uninterrupted_run(tmp_path):
+def test_a_resume_that_forgets_part_of_the_state_differs_from_the_uninterrupted_run(
+        digits_runs, tmp_path):
     """Chapter 08 compares the resumed run's last checkpoint with an uninterrupted run's;
     that comparison must catch a resume that restores too little."""
     import shutil
 
     import torch
 
-    from mgpu_helpers.recipe import DigitsRun, train_digits
+    from mgpu_helpers.recipe import DigitsRun
 
-    quick = {"epochs": 2, "limit": 64, "global_batch": 32, "progress": False,
-             "verbose": False, "evaluate_every_epoch": False}
+    # digits_runs (conftest): the run uninterrupted, and stopped after epoch 0
+    _, straight_checkpoint, _ = digits_runs.straight
+    _, epoch1, _ = digits_runs.first
+    quiet = {"verbose": False, "evaluate_every_epoch": False}
     ignore = ("/rng/*/python", "/rng/*/numpy")  # as in chapter 08
-    launch(train_digits, DigitsRun(**quick, checkpoint=tmp_path / "straight.pt"), nprocs=2)
-    launch(train_digits, DigitsRun(**quick, checkpoint=tmp_path / "epoch1.pt", stop_after=1),
-           nprocs=2)
-    straight = torch.load(tmp_path / "straight.pt", weights_only=True)
-    found = {}
-    for broken in (None, "sampler epoch", "rng", "lr schedule"):
-        path = tmp_path / f"resumed-{broken}.pt"
-        shutil.copy(tmp_path / "epoch1.pt", path)
-        launch(resume_badly, DigitsRun(**quick, checkpoint=path), broken, nprocs=2)
-        found[broken] = ablation.checkpoint_differences(
-            torch.load(path, weights_only=True), straight, ignore=ignore)
+    paths = {broken: tmp_path / f"resumed-{broken}.pt" for broken in BROKEN}
+    for path in paths.values():
+        shutil.copy(epoch1, path)
+    launch(resume_every_way, [(DigitsRun(**digits_runs.settings, **quiet, checkpoint=path),
+                               broken) for broken, path in paths.items()], nprocs=2)
+    straight = torch.load(straight_checkpoint, weights_only=True)
+    found = {broken: ablation.checkpoint_differences(
+        torch.load(path, weights_only=True), straight, ignore=ignore)
+        for broken, path in paths.items()}
     assert found[None] == []  # restored completely: bitwise the uninterrupted run
     assert "/model/fc1.weight" in found["sampler epoch"]
     assert {"/model/fc1.weight", "/rng/0/torch", "/rng/1/torch"} <= set(found["rng"])

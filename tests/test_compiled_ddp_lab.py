@@ -1,5 +1,7 @@
 """Chapter 08's torch.compile with DDP (mgpu_helpers.labs.compiled_ddp)."""
 
+import contextlib
+import io
 import logging
 
 import pytest
@@ -14,9 +16,27 @@ def as_sets(groups):
     return sorted(sorted(group) for group in groups)
 
 
+def every_compiled_case():
+    """Inside a rank: every case of the lab, in one world (each resets dynamo)."""
+    return {"compare": compiled_ddp.compare(),
+            "caps": {cap: compiled_ddp.compare(bucket_cap_mb=cap, steps=2)["runs"]
+                     for cap in (None, 2)},
+            "sequential": compiled_ddp.sequential_graph_count(),
+            "explained": compiled_ddp.explained_graph_counts()}
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Every rank's results, and what the ranks printed to stderr."""
+    printed = io.StringIO()  # the launcher writes the ranks' stderr to sys.stderr
+    with contextlib.redirect_stderr(printed):
+        ranks = launch(every_compiled_case, nprocs=2, backend="gloo", return_all=True)
+    return ranks, printed.getvalue()
+
+
 @pytest.mark.slow
-def test_ddp_optimizer_cuts_one_graph_per_bucket_and_trains_like_eager_ddp(capfd):
-    ranks = launch(compiled_ddp.compare, nprocs=2, backend="gloo", return_all=True)
+def test_ddp_optimizer_cuts_one_graph_per_bucket_and_trains_like_eager_ddp(compiled):
+    ranks = [outcome["compare"] for outcome in compiled[0]]
     result = ranks[0]
     runs = result["runs"]
     buckets = runs["eager"]["buckets"]
@@ -39,19 +59,15 @@ def test_ddp_optimizer_cuts_one_graph_per_bucket_and_trains_like_eager_ddp(capfd
             runs[m]["graphs"] for m in compiled_ddp.MODES]
     # torch's warnings were collected in the ranks, not printed with a timestamp
     assert all(isinstance(message, str) for message in result["torch_warnings"])
-    assert "torch/" not in capfd.readouterr().err
+    assert "torch/" not in compiled[1]
     assert result["warm_up_s"] > 0
 
 
-def default_and_2_mib_caps():
-    return {cap: compiled_ddp.compare(bucket_cap_mb=cap, steps=2)["runs"] for cap in (None, 2)}
-
-
 @pytest.mark.slow
-def test_the_cuts_follow_ddp_buckets_at_the_default_cap_and_miss_them_at_2_mib():
+def test_the_cuts_follow_ddp_buckets_at_the_default_cap_and_miss_them_at_2_mib(compiled):
     # DDPOptimizer's first bucket is 1 MiB, as DDP's at its default; a given cap is DDP's
     # first bucket's cap too
-    runs = launch(default_and_2_mib_caps, nprocs=2, backend="gloo")
+    runs = compiled[0][0]["caps"]
     default, two = runs[None], runs[2]
     assert as_sets(default["DDPOptimizer"]["graphs"]) == as_sets(default["eager"]["buckets"])
     assert len(default["eager"]["buckets"]) == 2  # 1 MiB first, then the rest (< 25 MiB)
@@ -62,13 +78,13 @@ def test_the_cuts_follow_ddp_buckets_at_the_default_cap_and_miss_them_at_2_mib()
 
 
 @pytest.mark.slow
-def test_ddp_around_torch_nn_sequential_is_not_compiled_at_all():
-    assert launch(compiled_ddp.sequential_graph_count, nprocs=2, backend="gloo") == 0
+def test_ddp_around_torch_nn_sequential_is_not_compiled_at_all(compiled):
+    assert compiled[0][0]["sequential"] == 0
 
 
 @pytest.mark.slow
-def test_explain_finds_no_graph_in_a_sequential_unless_it_has_hooks():
-    counts = launch(compiled_ddp.explained_graph_counts, nprocs=2, backend="gloo")
+def test_explain_finds_no_graph_in_a_sequential_unless_it_has_hooks(compiled):
+    counts = compiled[0][0]["explained"]
     assert counts["nn.Sequential"] == 0
     assert counts["BiasFreeMLP"] > 0 and counts["nn.Sequential with a hook"] > 0
 

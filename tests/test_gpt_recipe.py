@@ -6,6 +6,7 @@ the script under torchrun."""
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -176,29 +177,31 @@ def test_the_gradient_scaler_skips_a_step_on_every_rank_when_one_shard_overflows
     assert [r["scale"] for r in outcome] == [512.0, 512.0]
 
 
-def run_script(command, timeout=300):
-    # one intra-op thread, as launch() gives its ranks: bitwise equality needs the same
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout + done.stderr
-
-
-def test_the_script_under_torchrun_resumes_and_matches_a_launched_run(tmp_path):
+def test_the_script_under_torchrun_resumes_and_matches_a_launched_run(tmp_path, capsys):
+    # The launched runs call the script's main in this process (launch starts the ranks,
+    # one intra-op thread each); the resume runs the script under torchrun.
+    main = runpy.run_path(SCRIPT)["main"]
     options = ["--steps", "8", "--global-batch", "16", "--dim", "32", "--heads", "2",
                "--save-every", "4"]
-    run_script([sys.executable, SCRIPT, "--nprocs", "2", *options,
-                "--checkpoint", str(tmp_path / "a"), "--result", str(tmp_path / "a.json")])
-    torchrun = [TORCHRUN, "--standalone", "--nproc-per-node", "2", SCRIPT, *options,
-                "--checkpoint", str(tmp_path / "b"), "--result", str(tmp_path / "b.json")]
-    output = run_script([*torchrun, "--stop-after", "6"])
+    main(["--nprocs", "2", *options, "--checkpoint", str(tmp_path / "a"),
+          "--result", str(tmp_path / "a.json")])
+    main(["--nprocs", "2", *options, "--checkpoint", str(tmp_path / "b"), "--stop-after", "6"])
+    output = capsys.readouterr().out
     assert "saved" in output and "step-000004" in output
-    output = run_script(torchrun)
+    # one intra-op thread, as launch() gives its ranks: bitwise equality needs the same
+    done = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", SCRIPT, *options,
+                           "--checkpoint", str(tmp_path / "b"),
+                           "--result", str(tmp_path / "b.json")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
     assert "resumed from" in output and "at step 4" in output
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == [
+        "run.json", "step-000004", "step-000008"]  # saved under torchrun too
     whole, resumed = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab")
     assert resumed["resumed_at"] == 4 and resumed["losses"] == whole["losses"][4:]
     assert resumed["state_digest"] == whole["state_digest"]
     # the finished run again: nothing left to train, and it says so
-    output = run_script([sys.executable, SCRIPT, "--nprocs", "2", *options,
-                         "--checkpoint", str(tmp_path / "a")])
-    assert "nothing to train: the checkpoint is at step 8 of 8" in output
+    main(["--nprocs", "2", *options, "--checkpoint", str(tmp_path / "a")])
+    assert "nothing to train: the checkpoint is at step 8 of 8" in capsys.readouterr().out

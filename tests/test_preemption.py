@@ -127,9 +127,6 @@ def test_requeue_on_needs_a_checkpoint_and_a_signal_it_can_wait_for(tmp_path):
         DigitsRun(requeue_on="TERM", checkpoint=tmp_path / "x.pt")
 
 
-QUICK = {"epochs": 2, "limit": 256, "global_batch": 64, "progress": False}
-
-
 def warned_at_batch_2_on_rank_1(run):
     """Chapter 05's run, where rank 1 alone gets SIGUSR1 after its second batch."""
     os.environ.pop("SLURM_JOB_ID", None)  # never requeue a job these tests run in
@@ -148,11 +145,11 @@ def warned_at_batch_2_on_rank_1(run):
 
 @pytest.mark.slow
 def test_a_warned_run_stops_on_every_rank_saves_and_resumes_to_the_same_weights(
-        tmp_path, capsys):
-    straight = tmp_path / "straight.pt"
-    mh.launch(train_digits, DigitsRun(**QUICK, checkpoint=straight), nprocs=2)
+        digits_runs, tmp_path, capsys):
+    # digits_runs (conftest): the same run uninterrupted, 4 batches a rank an epoch
+    _, straight, _ = digits_runs.straight
     warned = tmp_path / "warned.pt"
-    run = DigitsRun(**QUICK, checkpoint=warned, requeue_on="USR1")
+    run = DigitsRun(**digits_runs.settings, checkpoint=warned, requeue_on="USR1")
     first = mh.launch(warned_at_batch_2_on_rank_1, run, nprocs=2, return_all=True)
     # Both ranks stopped after batch 2 (4 a rank an epoch), though only rank 1 was warned.
     assert [result["preempted"] for result in first] == [{"epoch": 0, "batches_done": 2}] * 2

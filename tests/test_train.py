@@ -1,10 +1,8 @@
 """Train/evaluate loops with global metrics; atomic, exactly-resumable checkpoints."""
 
+import multiprocessing
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -154,21 +152,16 @@ def test_missing_foreign_and_truncated_checkpoints_are_named(tmp_path):
         load_checkpoint(tmp_path / "cut.pt", model)
 
 
-KILLED_SAVE = textwrap.dedent("""
-    import os, signal, sys
-    import torch
-    from torch import nn
-    from mgpu_helpers.train import save_checkpoint
-
+def save_killed_mid_write(path):
+    """In a forked process: a save that dies (SIGKILL) in the middle of writing."""
     def dies_mid_write(obj, handle):
         handle.write(b"half a checkpoint")
         handle.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 
-    torch.save = dies_mid_write
+    torch.save = dies_mid_write  # this process's torch only
     model = nn.Linear(4, 2)
-    save_checkpoint(sys.argv[1], model, torch.optim.SGD(model.parameters(), lr=0.1), epoch=2)
-""")
+    save_checkpoint(path, model, torch.optim.SGD(model.parameters(), lr=0.1), epoch=2)
 
 
 @pytest.mark.slow
@@ -177,8 +170,11 @@ def test_save_killed_mid_write_leaves_previous_checkpoint_intact(tmp_path):
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     save_checkpoint(path, model, optimizer, epoch=1)
-    done = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(path)], capture_output=True)
-    assert done.returncode == -signal.SIGKILL
+    killed = multiprocessing.get_context("fork").Process(target=save_killed_mid_write,
+                                                         args=(path,))
+    killed.start()
+    killed.join(timeout=120)
+    assert killed.exitcode == -signal.SIGKILL
     assert list(tmp_path.glob(".ckpt.pt.tmp-*")), "the killed save left its temporary file"
     assert load_checkpoint(path, nn.Linear(4, 2))["epoch"] == 1
     save_checkpoint(path, model, optimizer, epoch=3)

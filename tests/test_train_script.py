@@ -1,7 +1,10 @@
 """scripts/train_ddp.py: the same run by launch() and by torchrun, and surviving a killed rank."""
 
+import contextlib
+import io
 import json
 import os
+import runpy
 import socket
 import subprocess
 import sys
@@ -16,7 +19,8 @@ SCRIPT = str(ROOT / "scripts" / "train_ddp.py")
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 # The script with rank 1 killed as epoch 1 starts, on torchrun's first attempt only.
 CRASH_ONCE = str(ROOT / "tests" / "launch_scripts" / "train_ddp_crash_once.py")
-QUICK = ["--epochs", "2", "--limit", "128", "--global-batch", "64"]
+# 2 epochs of 2 steps on 2 ranks (16 images a rank a step)
+QUICK = ["--epochs", "2", "--limit", "64", "--global-batch", "32"]
 
 pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.slow]
 
@@ -37,13 +41,21 @@ def assert_same_weights(a, b):
         assert torch.equal(a[key], b[key]), key
 
 
+def script_main():
+    """scripts/train_ddp.py's main(argv), run in this process."""
+    return runpy.run_path(SCRIPT)["main"]
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The reference run: the script from a plain process, which launches its own ranks
-    (as `python scripts/train_ddp.py --nprocs 2` in the README)."""
+def uninterrupted(tmp_path_factory, digits_ready):
+    """The reference run: the script's main from a plain process (this one), which
+    launches its own ranks, as `python scripts/train_ddp.py --nprocs 2` in the README.
+    (The tests below run the script as __main__ in processes of their own.)"""
     checkpoint = tmp_path_factory.mktemp("runs") / "launched.pt"
-    output = run([sys.executable, SCRIPT, "--nprocs", "2", *QUICK,
-                  "--checkpoint", str(checkpoint)])
+    printed = io.StringIO()  # the launcher writes the ranks' lines to sys.stdout/stderr
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        script_main()(["--nprocs", "2", *QUICK, "--checkpoint", str(checkpoint)])
+    output = printed.getvalue()
     assert "epoch 1: train" in output and "test loss" in output
     return checkpoint
 
@@ -117,10 +129,10 @@ def test_simulated_slurm_step_gives_the_same_weights(uninterrupted, tmp_path):
     assert_same_weights(weights(checkpoint), weights(uninterrupted))
 
 
-def test_bad_options_are_refused_before_anything_starts(tmp_path):
-    done = subprocess.run([sys.executable, SCRIPT, "--accumulate", "0", "--nprocs", "2",
-                           "--checkpoint", str(tmp_path / "never.pt")],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert done.returncode == 2
-    assert "accumulate must be a whole number >= 1" in done.stderr
+def test_bad_options_are_refused_before_anything_starts(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        script_main()(["--accumulate", "0", "--nprocs", "2",
+                       "--checkpoint", str(tmp_path / "never.pt")])
+    assert exited.value.code == 2  # argparse's refusal, before launch starts a rank
+    assert "accumulate must be a whole number >= 1" in capsys.readouterr().err
     assert not (tmp_path / "never.pt").exists()
