@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import io
 import json
 import textwrap
 from dataclasses import dataclass
@@ -68,20 +69,32 @@ def _value(node: ast.AST | None, constants: dict, parameters: set[str], default)
 
 def _enclosing_parameters(tree: ast.AST, call: ast.Call) -> set[str]:
     for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
-                inner is call for inner in ast.walk(node)):
+        # the line range first: walking every function's body for every call is slow
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                and node.lineno <= call.lineno and call.end_lineno <= node.end_lineno \
+                and any(inner is call for inner in ast.walk(node)):
             args = node.args
             return {a.arg for a in args.args + args.kwonlyargs + args.posonlyargs}
     return set()
+
+
+def _segment(lines: list[str], node: ast.AST) -> str:
+    """ast.get_source_segment(source, node) for ``lines`` of the source (as ast splits
+    them), without splitting the whole source again for each node."""
+    chunk = lines[node.lineno - 1:node.end_lineno]
+    chunk[-1] = chunk[-1].encode()[:node.end_col_offset].decode()
+    chunk[0] = chunk[0].encode()[node.col_offset:].decode()
+    return "".join(chunk)
 
 
 def _functions(trees: list[ast.AST], sources: list[str]) -> dict[str, str]:
     """name -> source of every top-level function defined in these sources."""
     found = {}
     for tree, source in zip(trees, sources, strict=True):
+        lines = io.StringIO(source, newline="").readlines()  # \n, \r\n or \r, as ast does
         for node in getattr(tree, "body", []):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                found[node.name] = ast.get_source_segment(source, node)
+                found[node.name] = _segment(lines, node)
     return found
 
 
@@ -138,15 +151,17 @@ def _commented(lines: list[str], call: ast.Call) -> bool:
 def sites_in(sources: list[str], labels: list[str]) -> list[LaunchSite]:
     """Launch calls in a sequence of sources that run in one namespace (a notebook's
     cells in order, or one file)."""
+    if not any("launch" in source for source in sources):
+        return []  # nothing to parse: a launch call names `launch`
     trees = []
     for source in sources:
         try:
             trees.append(ast.parse(source))
         except SyntaxError:
             trees.append(ast.Module(body=[], type_ignores=[]))
-    aliases = {name for name, path in _imported(trees).items() if path == "mgpu_helpers"}
-    constants, functions, imported = _constants(trees), _functions(trees, sources), \
-        _imported(trees)
+    imported = _imported(trees)
+    aliases = {name for name, path in imported.items() if path == "mgpu_helpers"}
+    constants, functions = _constants(trees), _functions(trees, sources)
     found = []
     for tree, source, label in zip(trees, sources, labels, strict=True):
         for node in ast.walk(tree):

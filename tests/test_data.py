@@ -6,9 +6,8 @@ import os
 import pickle
 import random
 import shutil
-import subprocess
-import sys
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -58,21 +57,17 @@ def test_digit_images_are_32x32_rgb(digits):
         assert (image.size, image.mode) == ((32, 32), "RGB")
 
 
-def test_preparation_is_deterministic(digits, tmp_path):
+def test_preparation_is_deterministic_and_a_second_call_does_nothing(digits, tmp_path):
     again = prepare_digits(tmp_path / "digits", progress=False)
     assert (again / "manifest.json").read_text() == (digits / "manifest.json").read_text()
-
-
-def test_second_call_does_nothing(tmp_path):
-    root = prepare_digits(tmp_path / "digits", progress=False)
-    stamp = (root / "manifest.json").stat().st_mtime_ns
-    assert prepare_digits(root, progress=False) == root
-    assert (root / "manifest.json").stat().st_mtime_ns == stamp
+    stamp = (again / "manifest.json").stat().st_mtime_ns
+    assert prepare_digits(again, progress=False) == again
+    assert (again / "manifest.json").stat().st_mtime_ns == stamp
 
 
 @pytest.mark.parametrize("damage", ["delete_file", "corrupt_file", "delete_manifest"])
-def test_partial_or_damaged_tree_is_rebuilt(tmp_path, damage):
-    root = prepare_digits(tmp_path / "digits", progress=False)
+def test_partial_or_damaged_tree_is_rebuilt(digits, tmp_path, damage):
+    root = Path(shutil.copytree(digits, tmp_path / "digits"))  # an intact tree, copied
     victim = root / "train" / "0" / "0000.png"
     original = victim.read_bytes()
     if damage == "delete_file":
@@ -286,7 +281,7 @@ def test_without_workers_ranks_need_their_own_global_seed():
     assert not set(fixed0) & set(fixed1) and len(set(fixed0)) == 6
 
 
-@pytest.mark.slow  # a child Python that spawns DataLoader workers
+@pytest.mark.slow  # spawns a DataLoader worker (a fresh interpreter)
 def test_random_angles_are_global_draws_that_spawned_workers_can_unpickle():
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -295,17 +290,10 @@ def test_random_angles_are_global_draws_that_spawned_workers_can_unpickle():
         assert [RandomAngles()[i] for i in range(6)] == first
     assert all(-10 <= angle <= 10 for angle in first) and len(set(first)) == 6
     assert pickle.loads(pickle.dumps(RandomAngles(4))).length == 4
-    # a spawned worker imports the class by name; in a child Python, whose multiprocessing
-    # helpers (the resource tracker) end with it
-    code = ("from torch.utils.data import DataLoader\n"
-            "from mgpu_helpers.labs.augmentation_seeds import RandomAngles\n"
-            "if __name__ == '__main__':\n"
-            "    loader = DataLoader(RandomAngles(4), batch_size=2, num_workers=1,\n"
-            "                        multiprocessing_context='spawn')\n"
-            "    print(sum(len(batch) for batch in loader))\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0 and done.stdout.strip() == "4", done.stderr
+    # a spawned worker imports the class by name
+    loader = DataLoader(RandomAngles(4), batch_size=2, num_workers=1,
+                        multiprocessing_context="spawn")
+    assert sum(len(batch) for batch in loader) == 4
 
 
 def test_preparation_does_not_touch_the_clone_when_told_where(tmp_path, monkeypatch):

@@ -37,26 +37,67 @@ def chapter(folder: Path, name: str, *cells) -> Path:
     return path
 
 
+def command(out: Path, chapters, timeout: float, extra) -> list[str]:
+    return [sys.executable, str(TOOL), "--no-script", "--out", str(out), "--timeout",
+            str(timeout), *extra, "--chapters", *map(str, chapters)]
+
+
+def read_report(out: Path) -> dict | None:
+    report = out / "report.json"
+    return json.loads(report.read_text()) if report.exists() else None
+
+
 def gpu_check(tmp_path, *chapters, timeout=120, extra=(), env=None):
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, str(TOOL), "--no-script", "--out", str(out),
-                           "--timeout", str(timeout), *extra, "--chapters",
-                           *map(str, chapters)],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
-    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() \
-        else None
-    return done, report
+    done = subprocess.run(command(out, chapters, timeout, extra), capture_output=True,
+                          text=True, timeout=600, cwd=ROOT, env=env)
+    return done, read_report(out)
 
 
-TIMEOUT_S = 5  # the short-timeout run's limit per chapter
+class Started:
+    """A run of the tool in the background; its output goes to files (no pipe to fill)."""
+
+    def __init__(self, folder: Path, *chapters, timeout=120, extra=(), env=None):
+        self.out, self.folder = folder / "out", folder
+        with open(folder / "stdout", "w") as stdout, open(folder / "stderr", "w") as stderr:
+            self.process = subprocess.Popen(command(self.out, chapters, timeout, extra),
+                                            stdout=stdout, stderr=stderr, cwd=ROOT, env=env)
+
+    def finish(self) -> tuple[Path, subprocess.CompletedProcess, dict | None]:
+        self.process.wait(timeout=600)
+        done = subprocess.CompletedProcess(self.process.args, self.process.returncode,
+                                           (self.folder / "stdout").read_text(),
+                                           (self.folder / "stderr").read_text())
+        return self.folder, done, read_report(self.out)
 
 
-# Two runs of the tool cover every case: each run asks a child for the machine's facts and
-# starts one process per chapter, seconds each, so the cases share runs.
+# The short-timeout run's limit per chapter. Generous: its two hanging chapters wait it
+# out idle while the other runs compute beside them, and the chapters that must finish in
+# time get it on a loaded machine too.
+TIMEOUT_S = 10
+
+
+# Three runs of the tool cover every case: each asks a child for the machine's facts and
+# starts one process per chapter, seconds each, so the cases share runs. The three run at
+# once (the short-timeout one mostly waits), and all have ended before the first test
+# that reads one (no test may leave a process behind).
 @pytest.fixture(scope="module")
-def checked(tmp_path_factory):
-    """One run over chapters that pass, fail, or raise when they should (timeout 120 s)."""
-    folder = tmp_path_factory.mktemp("gpu-check")
+def runs(tmp_path_factory):
+    started = {}
+    try:
+        started["checked"] = start_checked(tmp_path_factory.mktemp("gpu-check"))
+        started["both_envs"] = start_both_envs(tmp_path_factory.mktemp("gpu-check-envs"))
+        started["timed_out"] = start_timed_out(tmp_path_factory.mktemp("gpu-check-timeouts"))
+        return {name: run.finish() for name, run in started.items()}
+    finally:
+        for run in started.values():  # none left running, even when one failed
+            if run.process.poll() is None:
+                run.process.kill()
+                run.process.wait()
+
+
+def start_checked(folder: Path) -> Started:
+    """Chapters that pass, fail, or raise when they should (timeout 120 s)."""
     good = chapter(folder, "01_good",
                    "import inspect\n\ndef double(x):\n    return 2 * x",
                    "assert double(2) == 4\nassert 'return 2 * x' in inspect.getsource(double)",
@@ -69,26 +110,31 @@ def checked(tmp_path_factory):
                         "import mgpu_helpers as mh\n\ndef where():\n    return mh.rank()",
                         "assert mh.launch(where, nprocs=2, backend='gloo', return_all=True)"
                         " == [0, 1]")
-    done, report = gpu_check(folder, good, bad, quiet, launching,
-                             extra=("--env", "notebook", "--no-exercises"))
-    return folder, done, report, {row["name"]: row for row in report["results"]}
+    return Started(folder, good, bad, quiet, launching,
+                   extra=("--env", "notebook", "--no-exercises"))
 
 
 @pytest.fixture(scope="module")
-def both_envs(tmp_path_factory):
-    """One run as by default: a chapter that needs tests/notebook.env's seed, under it and
-    in a plain environment, then reference solutions from a fake package through the
+def checked(runs):
+    folder, done, report = runs["checked"]
+    return folder, done, report, {row["name"]: row for row in report["results"]}
+
+
+def start_both_envs(folder: Path) -> Started:
+    """As by default: a chapter that needs tests/notebook.env's seed, under it and in a
+    plain environment, then reference solutions from a fake package through the
     exercise checker."""
-    folder = tmp_path_factory.mktemp("gpu-check-envs")
     seeded = chapter(folder, "09_seeded",
                      "import os\nassert os.environ.get('MGPU_SEED') == '0', 'MGPU_SEED unset'")
     solutions = fake_solutions(folder / "fake_solutions")
-    done, report = gpu_check(folder, seeded,
-                             extra=("--solutions", str(solutions),
-                                    "--exercises", "02.2", "03.3", "01.1"),
-                             env={**os.environ,
-                                  "MGPU_EXERCISE_PROGRESS": str(folder / "progress.json")})
-    return folder, done, report
+    return Started(folder, seeded,
+                   extra=("--solutions", str(solutions), "--exercises", "02.2", "03.3", "01.1"),
+                   env={**os.environ, "MGPU_EXERCISE_PROGRESS": str(folder / "progress.json")})
+
+
+@pytest.fixture(scope="module")
+def both_envs(runs):
+    return runs["both_envs"]
 
 
 def fake_solutions(folder: Path) -> Path:
@@ -103,21 +149,23 @@ def fake_solutions(folder: Path) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def timed_out(tmp_path_factory):
-    """One run with a short timeout: a chapter that hangs in a cell, one whose process
-    lingers after its last cell, and a good one after them."""
-    folder = tmp_path_factory.mktemp("gpu-check-timeouts")
+def start_timed_out(folder: Path) -> Started:
+    """A short timeout: a chapter that hangs in a cell, one whose process lingers after
+    its last cell, and a good one after them."""
     hang = chapter(folder, "04_hang", "import time", "assert False, 'before the hang'",
                    "time.sleep(600)")
     lingering = chapter(folder, "07_linger",
                         "import threading, time\n"
                         "threading.Thread(target=time.sleep, args=(600,)).start()")
     good = chapter(folder, "08_good", "x = 1")
-    done, report = gpu_check(folder, hang, lingering, good, timeout=TIMEOUT_S,
-                             extra=("--env", "notebook", "--no-exercises"))
-    return done, {row["name"]: row for row in report["results"]}
+    return Started(folder, hang, lingering, good, timeout=TIMEOUT_S,
+                   extra=("--env", "notebook", "--no-exercises"))
 
+
+@pytest.fixture(scope="module")
+def timed_out(runs):
+    _, done, report = runs["timed_out"]
+    return done, {row["name"]: row for row in report["results"]}
 
 
 def test_cells_run_in_order_in_one_namespace_like_a_kernel(checked):

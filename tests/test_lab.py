@@ -52,7 +52,7 @@ def wait_for_url(server: subprocess.Popen, log: Path, timeout: float = 120.0) ->
             return match
         if server.poll() is not None:
             pytest.fail(f"make lab exited with {server.returncode}:\n{log.read_text()[-3000:]}")
-        time.sleep(0.5)
+        time.sleep(0.1)
     pytest.fail(f"make lab printed no URL within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
@@ -68,7 +68,7 @@ def wait_until_answering(base: str, timeout: float = 60.0) -> None:
         except (urllib.error.URLError, ConnectionError):
             if time.monotonic() > deadline:
                 raise
-            time.sleep(0.2)
+            time.sleep(0.1)
 
 
 def http(url: str, token: str | None = None, method: str = "GET", body: dict | None = None):
@@ -166,5 +166,5 @@ def test_make_lab_serves_chapter_00_on_loopback_with_token(tmp_path):
     # Stopping the server must not leave the chapter's kernel behind.
     deadline = time.monotonic() + 30
     while kernel_pid and psutil.pid_exists(kernel_pid) and time.monotonic() < deadline:
-        time.sleep(0.5)
+        time.sleep(0.1)
     assert not (kernel_pid and psutil.pid_exists(kernel_pid)), "kernel left running"

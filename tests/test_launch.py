@@ -71,10 +71,14 @@ def reduce_and_return(kind):
     raise AssertionError(kind)
 
 
-def test_returns_rank0_value_or_all_values():
+def test_returns_rank0_value_or_all_values_and_leaves_the_environment_unchanged():
+    before = dict(os.environ)
     assert launch(reduce_and_return, "dict", nprocs=2) == {"sum": 3.0, "rank": 0}
     all_values = launch(reduce_and_return, "dict", nprocs=2, return_all=True)
     assert all_values == [{"sum": 3.0, "rank": 0}, {"sum": 3.0, "rank": 1}]
+    # two launches in a row: neither leaves its settings or its group behind
+    assert dict(os.environ) == before
+    assert not dist.is_initialized()
 
 
 def test_tensors_come_back_on_cpu_detached():
@@ -151,14 +155,6 @@ def test_function_from_main_module_under_fork_and_spawn():
     assert lines.count("[rank 0] printed once") == 2
     assert "[rank 1] rank 1 of 2 on cpu" in lines
     assert "environment unchanged" in lines
-
-
-def test_two_launches_leave_environment_unchanged():
-    before = dict(os.environ)
-    assert launch(mh.rank, nprocs=2) == 0
-    assert launch(mh.world_size, nprocs=2) == 2
-    assert dict(os.environ) == before
-    assert not dist.is_initialized()
 
 
 # ---------------------------------------------------------------------- failures
@@ -294,28 +290,33 @@ def after_the_group_ends(action):
 _KEPT = []  # what a rank's work leaves alive after it returns
 
 
-def rank_keeps_a_thread_pool_and_a_finalizer(path):
+def rank_leaves_a_thread_pool_a_finalizer_and_a_thread(path):
     import multiprocessing.util
     from concurrent.futures import ThreadPoolExecutor
 
     pool = ThreadPoolExecutor(1)
     pool.submit(time.sleep, 0.05)
-    marker = Path(f"{path}.{mh.rank()}")
     _KEPT.append(pool)  # its worker thread waits for work until the pool is shut down
-    multiprocessing.util.Finalize(pool, marker.write_text, args=("finalized",),
-                                  exitpriority=0)
+    multiprocessing.util.Finalize(pool, Path(f"{path}.finalized.{mh.rank()}").write_text,
+                                  args=("finalized",), exitpriority=0)
+    written = Path(f"{path}.thread.{mh.rank()}")  # mh.rank() says 0 once the group ended
+    after_the_group_ends(lambda: written.write_text("done"))
     return mh.rank()
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_a_rank_ends_as_multiprocessing_ends_a_process(method, tmp_path):
     # A thread pool still referenced when the work returns is shut down (it hung the rank
-    # until join_timeout), and multiprocessing's finalizers run (they terminate daemonic
-    # children such as DataLoader workers)
-    values = launch(rank_keeps_a_thread_pool_and_a_finalizer, str(tmp_path / "marker"),
-                    nprocs=2, return_all=True, join_timeout=60, start_method=method)
+    # until join_timeout), multiprocessing's finalizers run (they terminate daemonic
+    # children such as DataLoader workers), and the rank waits for its own (non-daemon)
+    # threads before ending.
+    values = launch(rank_leaves_a_thread_pool_a_finalizer_and_a_thread,
+                    str(tmp_path / "marker"), nprocs=2, return_all=True, join_timeout=60,
+                    start_method=method)
     assert values == [0, 1]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["marker.0", "marker.1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "marker.finalized.0", "marker.finalized.1", "marker.thread.0", "marker.thread.1"]
+    assert (tmp_path / "marker.thread.1").read_text() == "done"
 
 
 @pytest.mark.slow
@@ -350,19 +351,6 @@ def test_a_crash_after_returning_is_reported_not_swallowed(method):
     with pytest.raises(LaunchError, match=r"^rank 1 returned its result, then was killed "
                                           r"by signal SIGABRT as its process ended"):
         launch(rank1_aborts_after_returning, nprocs=2, timeout=30, start_method=method)
-
-
-def rank_writes_after_returning(path):
-    marker = Path(f"{path}.{mh.rank()}")  # mh.rank() says 0 once the group has ended
-    after_the_group_ends(lambda: marker.write_text("done"))
-    return mh.rank()
-
-
-@pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_a_rank_waits_for_its_threads_before_ending(method, tmp_path):
-    assert launch(rank_writes_after_returning, str(tmp_path / "marker"), nprocs=2,
-                  return_all=True, start_method=method) == [0, 1]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["marker.0", "marker.1"]
 
 
 def rank1_hangs(path: str):
@@ -419,7 +407,8 @@ def test_a_failure_stops_the_other_ranks_with_sigterm_first(tmp_path, monkeypatc
     assert Path(marker).read_text() == "SIGTERM"
 
 
-def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
+def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace(tmp_path, monkeypatch):
+    monkeypatch.setattr(supervisor, "TERMINATE_GRACE_S", 0.5)  # a rank ignoring it: no wait
     marker = str(tmp_path / "rank1")
     with pytest.raises(LaunchError) as caught:
         launch(stop_marker, marker, True, nprocs=2, backend="gloo", join_timeout=120)
@@ -542,22 +531,30 @@ def test_launch_inside_a_rank_is_refused():
 
 
 def report_and_return_a_tensor():
-    print(f"hello from {mh.rank()}")
+    if mh.rank() == 1 and mh.restart_count() == 0:
+        raise ValueError("first attempt")
+    print(f"hello from {mh.rank()} on attempt {mh.restart_count()}")
     value = torch.tensor([float(mh.rank() + 1)])
     dist.all_reduce(value)
-    return {**where_am_i(), "sum": value * torch.ones(2, requires_grad=True)}
+    return {**where_am_i(), "sum": value * torch.ones(2, requires_grad=True),
+            "restarts": (mh.restart_count(), int(os.environ["MGPU_RESTART_COUNT"]))}
 
 
 @pytest.mark.slow
-def test_under_spawn_values_output_and_tensors_come_back(capfd):
-    values = launch(report_and_return_a_tensor, nprocs=2, return_all=True,
+def test_under_spawn_values_output_tensors_and_restarts(capfd):
+    # rank 1 fails on the first attempt: max_restarts starts every rank again, and the
+    # second attempt's values, output and tensors come back
+    values = launch(report_and_return_a_tensor, nprocs=2, return_all=True, max_restarts=1,
                     start_method="spawn")
     assert [(v["rank"], v["world"], v["device"], v["threads"]) for v in values] == [
         (0, 2, "cpu", 1), (1, 2, "cpu", 1)]
     assert all(v["sum"].tolist() == [3.0, 3.0] and not v["sum"].requires_grad
                for v in values)
-    out = capfd.readouterr().out
-    assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out
+    assert [v["restarts"] for v in values] == [(1, 1), (1, 1)]  # both on the second attempt
+    out, err = capfd.readouterr()
+    assert "[rank 0] hello from 0 on attempt 1" in out
+    assert "[rank 1] hello from 1 on attempt 1" in out
+    assert "(restart 1 of 1)" in err
 
 
 @pytest.mark.slow
@@ -568,13 +565,6 @@ def test_under_spawn_failures_are_reported_as_under_fork():
     assert 'raise ValueError("boom")' in str(caught.value)  # the rank's own traceback
     with pytest.raises(LaunchError, match=r"^rank 1 exited with code 3 without returning"):
         launch(rank1_dies, "exit", nprocs=2, timeout=30, start_method="spawn")
-
-
-@pytest.mark.slow
-def test_under_spawn_max_restarts_starts_every_rank_again():
-    values = launch(fails_on_the_first_attempt, nprocs=2, max_restarts=1, return_all=True,
-                    start_method="spawn")
-    assert values == [(0, 1, 1), (1, 1, 1)]
 
 
 # ------------------------------------------------------------------------- ports

@@ -244,12 +244,32 @@ def library_pipeline(schedule_name, micro_batches):
     return [loss.item() for loss in losses], grads
 
 
+def every_library_schedule(images, labels):
+    """In one group, each of torch.distributed.pipelining's schedules in turn: GPipe and
+    1F1B on the MLP (one stage per rank), then the three with two virtual stages per rank
+    on the tutorial CNN."""
+    plain = {name: library_pipeline(name, 4) for name in ("gpipe", "1f1b")}
+    virtual = {name: gpipe.interleaved_step(images, labels, [2, 4, 7], 4, 0, name)
+               for name in gpipe.LIBRARY_SCHEDULES}
+    return plain, virtual
+
+
+@pytest.fixture(scope="module")
+def library_schedules():
+    """One launch of 2 ranks for every library schedule (a launch each cost seconds)."""
+    torch.manual_seed(0)
+    images, labels = torch.rand(16, 3, 32, 32), torch.randint(0, 10, (16,))
+    ranks = launch(every_library_schedule, images, labels, nprocs=2, backend="gloo",
+                   return_all=True, timeout=60, join_timeout=240)
+    return images, labels, ranks
+
+
 @pytest.mark.parametrize("schedule_name", ["gpipe", "1f1b"])
-def test_torch_pipelining_schedules_match_the_unsplit_model(schedule_name):
+def test_torch_pipelining_schedules_match_the_unsplit_model(library_schedules,
+                                                            schedule_name):
     expected_loss, expected_grads = unsplit_reference()
     names = [name for name, _ in mlp().named_parameters()]
-    ranks = launch(library_pipeline, schedule_name, 4, nprocs=2, return_all=True,
-                   timeout=30, join_timeout=120)
+    ranks = [plain[schedule_name] for plain, _ in library_schedules[2]]
     losses = ranks[1][0]
     assert len(losses) == 4
     assert sum(losses) / 4 == pytest.approx(expected_loss, rel=1e-6)
@@ -273,16 +293,13 @@ def test_activation_meter_counts_saved_activations_until_backward_frees_them():
     assert after_one == 4 * (10 * 8 + 10 * 32)
 
 
-@pytest.mark.usefixtures("no_leftover_processes")
 @pytest.mark.parametrize("schedule", gpipe.LIBRARY_SCHEDULES)
 def test_library_schedules_with_two_virtual_stages_per_rank_give_the_unsplit_gradients(
-        schedule):
+        library_schedules, schedule):
     from mgpu_helpers.models import SeedCNN
 
-    torch.manual_seed(0)
-    images, labels = torch.rand(16, 3, 32, 32), torch.randint(0, 10, (16,))
-    ranks = launch(gpipe.interleaved_step, images, labels, [2, 4, 7], 4, 0, schedule,
-                   nprocs=2, backend="gloo", return_all=True)
+    images, labels, launched = library_schedules
+    ranks = [virtual[schedule] for _, virtual in launched]
     torch.manual_seed(0)
     model = SeedCNN()
     loss = F.cross_entropy(model(images), labels)
