@@ -51,10 +51,19 @@ def require_cluster() -> None:
                 "with Debian's slurmctld slurmd slurm-client munge) and runs these tests")
 
 
+_GIVEN_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free on 127.0.0.1 now and never given before in this session: jobs that
+    run at the same time rendezvous on ports of their own."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return port
 
 
 def job_env(**extra: str) -> dict[str, str]:
@@ -67,7 +76,8 @@ def job_env(**extra: str) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if key == "SLURM_CONF" or not
            key.startswith(("SLURM", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
     env["PATH"] = f"{Path(PYTHON).parent}{os.pathsep}{env.get('PATH', '')}"
-    env.update(OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()), **extra)
+    env.update(OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
+    env.update(extra)
     return env
 
 
@@ -83,6 +93,48 @@ def run(command: list[str], timeout: float, env: dict | None = None,
     assert done.returncode == 0, (f"{' '.join(command)} exited {done.returncode}:\n"
                                   f"{done.stdout[-3000:]}{done.stderr[-3000:]}")
     return done.stdout + done.stderr
+
+
+class Started:
+    """srun (or salloc) running in the background, its output going to ``log``, bounded
+    by ``timeout`` from its start; ended, if still running, when the ``with`` block ends
+    (a failure in the block leaves no process behind)."""
+
+    def __init__(self, command: list[str], log: Path, timeout: float,
+                 env: dict | None = None, cwd: Path = ROOT):
+        self.command, self.log, self.timeout = command, log, timeout
+        self.deadline = time.monotonic() + timeout
+        with open(log, "w") as out:
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                            env=env or job_env(), cwd=cwd)
+
+    def __enter__(self) -> Started:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def output(self) -> str:
+        """Wait for the end (until the deadline); its output, or a failure showing it."""
+        try:
+            self.process.wait(max(0.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            pytest.fail(f"{' '.join(self.command[:3])}... still running after "
+                        f"{self.timeout:.0f} s:\n{self.log.read_text(errors='replace')[-3000:]}")
+        text = self.log.read_text(errors="replace")
+        assert self.process.returncode == 0, (f"{' '.join(self.command)} exited "
+                                              f"{self.process.returncode}:\n{text[-3000:]}")
+        return text
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()  # srun passes it on to the step's tasks
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
 
 
 def _text(output) -> str:

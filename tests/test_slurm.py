@@ -6,14 +6,16 @@ salloc and wait for a batch job is bounded by a timeout.
 """
 
 import json
+import math
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import slurm_jobs
 import torch
 from slurm_env import batch_allocation, salloc_shell, srun_task
-from slurm_jobs import ROOT, run, submit, wait_for_end, wait_until
+from slurm_jobs import ENDED, ROOT, run, submit, wait_for_end, wait_until
 
 from mgpu_helpers.cluster import cluster_environment
 
@@ -116,52 +118,78 @@ def test_the_tasks_of_an_srun_step_are_the_ranks():
 
 # ---------------------------------------------------------- the training scripts
 
+# Chapter 05's training, made small: 640 images, 320 a rank, 10 batches of 32 an epoch.
+# (Chapter 05 itself, run by nbval, trains the full 4 epochs and asserts its 90%.)
+SMALL_DDP_RUN = ["--epochs", "2", "--limit", "640", "--seed", "1"]
 
-def test_srun_trains_the_ddp_script_to_the_chapters_accuracy(tmp_path):
-    result = tmp_path / "ddp.json"
-    output = run(["srun", "--ntasks=2", "python", TRAIN_DDP, "--checkpoint",
-                  str(tmp_path / "ddp.pt"), "--result", str(result)], 280)
-    assert output.count("test loss") == 1  # rank 0 prints, rank 1 does not
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    """The small run twice, at the same time: uninterrupted in an srun step, and as the
+    sbatch template, warned with SIGUSR1 while it trains (as `--signal=USR1@120` does
+    before the time limit). The tests below judge what each did."""
+    slurm_jobs.require_cluster()  # module fixtures run before the autouse one that skips
+    folder = tmp_path_factory.mktemp("ddp")
+    runs = SimpleNamespace(uninterrupted=folder / "uninterrupted.pt",
+                           result=folder / "uninterrupted.json",
+                           checkpoint=folder / "preempted.pt", log=folder / "job.out")
+    runs.job = submit(SBATCH_TEMPLATE, runs.log, "--time=10",
+                      args=(*SMALL_DDP_RUN, "--checkpoint", str(runs.checkpoint)))
+    with slurm_jobs.Started(["srun", "--ntasks=2", "python", TRAIN_DDP, *SMALL_DDP_RUN,
+                             "--checkpoint", str(runs.uninterrupted), "--result",
+                             str(runs.result)], folder / "srun.out", 400) as uninterrupted:
+        # Warn the job once every rank holds its handler (rank 0 prints when they all do);
+        # a job that ends before is judged below, with its log.
+        fields = wait_until(runs.job, 240, lambda fields: fields["JobState"] in ENDED or (
+            runs.log.exists() and "on SIGUSR1: save at the next step" in runs.log.read_text()),
+            runs.log)
+        if fields["JobState"] not in ENDED:
+            slurm_jobs.signal(runs.job, "USR1")
+        runs.fields = wait_for_end(runs.job, 360, runs.log)
+        runs.output = uninterrupted.output()
+    return runs
+
+
+def test_srun_trains_the_ddp_script(ddp_runs):
+    output = ddp_runs.output
+    assert output.count("test loss") == 1, output[-3000:]  # rank 0 prints, rank 1 does not
     assert "global batch 64 = 2 rank(s) x 32" in output
-    metrics = json.loads(result.read_text())
-    assert len(metrics["history"]) == 4
-    assert metrics["test"]["accuracy"] >= 0.90  # chapter 05's stated accuracy
+    metrics = json.loads(ddp_runs.result.read_text())
+    history = metrics["history"]
+    assert [entry["epoch"] for entry in history] == [0, 1]
+    assert metrics["test"]["samples"] == 355  # every test image counted once over the ranks
+    # It learns: the training loss falls, and the test accuracy is far above chance (10%):
+    # 89% with this seed; 51%, 87%, 90% and 79% with seeds 0, 2, 3 and 4.
+    assert history[1]["loss"] < history[0]["loss"]
+    assert metrics["test"]["accuracy"] >= 0.5
 
 
-def test_srun_trains_the_gpt_script_as_chapter_10_does(tmp_path):
+def test_srun_trains_the_gpt_script(tmp_path):
     result = tmp_path / "gpt.json"
-    run(["srun", "--ntasks=2", "python", str(ROOT / "scripts" / "train_gpt.py"),
-         "--checkpoint", str(tmp_path / "gpt"), "--result", str(result)], 280)
+    output = run(["srun", "--ntasks=2", "python", str(ROOT / "scripts" / "train_gpt.py"),
+                  "--steps", "60", "--checkpoint", str(tmp_path / "gpt"), "--result",
+                  str(result)], 280)
+    assert output.count("held-out exact match") == 1, output[-3000:]  # rank 0 prints alone
     metrics = json.loads(result.read_text())
+    assert (metrics["world_size"], metrics["mesh"]) == (2, {"fsdp": 2})  # the tasks shard it
     losses = metrics["losses"]
-    assert len(losses) == 300
-    # Chapter 10's check of the same run (section 5).
-    assert metrics["exact_match"] > 0.9 and losses[-1] < 0.05 * losses[0]
+    assert len(losses) == 60 and all(math.isfinite(loss) for loss in losses)
+    # It learns: 60 steps take the loss to 0.56 of its first (0.55 to 0.57 with seeds 0 to
+    # 3). Chapter 10, run by nbval, trains the full 300 steps and asserts its exact match
+    # above 90%.
+    assert losses[-1] < 0.7 * losses[0]
+    assert 0 <= metrics["exact_match"] <= 1
 
 
 # ------------------------------------------------------------------- preemption
 
-# 640 images: 320 a rank, 10 batches of 32 an epoch.
-PREEMPTED_RUN = ["--epochs", "2", "--limit", "640", "--seed", "1"]
 
-
-def test_a_warned_job_saves_requeues_and_resumes_to_the_same_weights(tmp_path):
-    """The sbatch template, warned with SIGUSR1 while it trains (as `--signal=USR1@120`
-    does before the time limit), saves, requeues itself, resumes at the saved batch in
-    its second start, and ends with the weights of an uninterrupted run."""
-    uninterrupted = tmp_path / "uninterrupted.pt"
-    run(["srun", "--ntasks=2", "python", TRAIN_DDP, *PREEMPTED_RUN,
-         "--checkpoint", str(uninterrupted)], 200)
-
-    checkpoint, log = tmp_path / "preempted.pt", tmp_path / "job.out"
-    job = submit(SBATCH_TEMPLATE, log, "--time=10",
-                 args=(*PREEMPTED_RUN, "--checkpoint", str(checkpoint)))
-    # Warn it once every rank holds its handler (rank 0 prints when they all do).
-    wait_until(job, 120, lambda fields: log.exists()
-               and "on SIGUSR1: save at the next step" in log.read_text(), log)
-    slurm_jobs.signal(job, "USR1")
-    fields = wait_for_end(job, 240, log)
-    text = log.read_text()
+def test_a_warned_job_saves_requeues_and_resumes_to_the_same_weights(ddp_runs):
+    """The sbatch template, warned while it trains, saves, requeues itself, resumes at
+    the saved batch in its second start, and ends with the weights of the uninterrupted
+    run."""
+    job, checkpoint, fields = ddp_runs.job, ddp_runs.checkpoint, ddp_runs.fields
+    text = ddp_runs.log.read_text()
     assert fields["JobState"] == "COMPLETED", text[-3000:]
     assert fields["Restarts"] == "1", text[-3000:]  # requeued once, by itself
     assert f"job {job}: start 1 on localhost" in text
@@ -174,7 +202,7 @@ def test_a_warned_job_saves_requeues_and_resumes_to_the_same_weights(tmp_path):
     assert int(batch) < int(batches), f"the warning came too late to test a resume: {saved}"
     assert f"resuming from {checkpoint} at epoch {epoch}, batch {batch}" in text
     ours = torch.load(checkpoint, weights_only=True)
-    reference = torch.load(uninterrupted, weights_only=True)
+    reference = torch.load(ddp_runs.uninterrupted, weights_only=True)
     assert (ours["epoch"], ours["extra"]["batches_done"]) == (2, 0)
     for key, value in reference["model"].items():
         assert torch.equal(ours["model"][key], value), key
