@@ -30,7 +30,7 @@ from .backend import (
     plan_for,
 )
 from .devices import GPU, CudaProbe, count_gpus, cuda_driver_loaded, cuda_probe, probe_cuda
-from .precision import auto_amp
+from .precision import auto_amp, gpu_amp
 from .visible_devices import ENV_VAR, VisibleDevices, parse_cuda_visible_devices
 
 __all__ = [  # the report, and the names that moved to .backend and .devices
@@ -187,16 +187,12 @@ def describe(probe: CudaProbe | None = None) -> EnvReport:
 
 
 def mixed_precision_summary(gpus: tuple[GPU, ...]) -> str:
-    """What ``amp="auto"`` computes in on the devices the plan uses, with the reason:
-    the GPUs' compute capability where there are GPUs (read from the probe, so CUDA stays
-    untouched here), else this CPU's bfloat16 instructions (:func:`.precision.auto_amp`)."""
+    """What ``amp="auto"`` computes in on the devices the plan uses, with the reason: the
+    oldest GPU's (its compute capability, read from the probe, so CUDA stays untouched
+    here), else this CPU's (:func:`.precision.auto_amp`)."""
     if not gpus:
         return str(auto_amp("cpu"))
-    oldest = min(gpu.capability for gpu in gpus)
-    if oldest >= (8, 0):
-        return f"bfloat16 (GPUs of compute capability {oldest[0]}.{oldest[1]} or later)"
-    return (f"float16 with a GradScaler (a GPU of compute capability {oldest[0]}.{oldest[1]} "
-            "has no bfloat16)")
+    return f"{gpu_amp(min(gpu.capability for gpu in gpus))} on the GPUs"
 
 
 def _cuda_start_problem(probe: CudaProbe) -> str | None:

@@ -105,6 +105,16 @@ def cpu_bfloat16(capabilities: Mapping[str, object] | None = None,
                    "so the workbook does not risk an emulated one")
 
 
+def gpu_amp(capability: tuple[int, int]) -> AmpChoice:
+    """What ``"auto"`` uses on an NVIDIA GPU of this compute capability: bfloat16 from 8.0
+    (A100, H100, RTX 30xx on), float16 with a ``GradScaler`` before (V100, T4, RTX 20xx)."""
+    major, minor = capability
+    if (major, minor) >= (8, 0):
+        return AmpChoice(torch.bfloat16, f"compute capability {major}.{minor} computes it")
+    return AmpChoice(torch.float16, f"compute capability {major}.{minor}, before 8.0, has no "
+                     "bfloat16: with a GradScaler")
+
+
 def auto_amp(device: torch.device | str, capabilities: Mapping[str, object] | None = None,
              environ: Mapping[str, str] | None = None) -> AmpChoice:
     """What mixed precision ``"auto"`` uses on ``device``, with the reason.
@@ -116,12 +126,7 @@ def auto_amp(device: torch.device | str, capabilities: Mapping[str, object] | No
     """
     device = torch.device(device)
     if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        if (major, minor) >= (8, 0):
-            return AmpChoice(torch.bfloat16, f"GPU of compute capability {major}.{minor} "
-                             "computes bfloat16")
-        return AmpChoice(torch.float16, f"GPU of compute capability {major}.{minor} has no "
-                         "bfloat16 (before 8.0): float16 with a GradScaler")
+        return gpu_amp(torch.cuda.get_device_capability(device))
     if device.type == "cpu":
         native, why = cpu_bfloat16(capabilities, environ)
         return AmpChoice(torch.bfloat16 if native else None, why)
@@ -138,7 +143,7 @@ def amp_dtype_for(device: torch.device | str) -> torch.dtype:
     device = torch.device(device)
     if device.type != "cuda":
         return torch.bfloat16
-    return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
+    return gpu_amp(torch.cuda.get_device_capability(device)).dtype
 
 
 def amp_dtype(choice: str | None, device: torch.device | str) -> torch.dtype | None:

@@ -255,8 +255,9 @@ def test_report_says_what_auto_mixed_precision_computes_in(monkeypatch, nccl_bui
                         lambda: {"architecture": "x86_64", "avx2": True})
     assert re.search(r'Mixed precision\s+amp="auto": float32 \(this CPU has no bfloat16 '
                      r'instructions', str(describe(NO_DRIVER)))
-    assert 'amp="auto": bfloat16 (GPUs of compute capability 9.0' in str(
+    assert 'amp="auto": bfloat16 (compute capability 9.0 computes it) on the GPUs' in str(
         describe(simulated_gpus(2)))
     t4 = CudaProbe(gpus=(GPU(0, "Tesla T4", 16_000_000_000, (7, 5)),),
                    cudnn_version=90100, nccl_version="2.21.5")
-    assert 'amp="auto": float16 with a GradScaler' in str(describe(t4))
+    assert ('amp="auto": float16 (compute capability 7.5, before 8.0, has no bfloat16: with '
+            'a GradScaler) on the GPUs') in str(describe(t4))
