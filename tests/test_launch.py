@@ -152,6 +152,9 @@ def test_function_from_main_module_under_fork_and_spawn():
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert "fork: 21" in lines and "spawn: 21" in lines
+    # DDP's and FSDP2's first call imports torch._dynamo; the parent did, once, before
+    # forking, so no forked rank pays for it again
+    assert "forked ranks inherit the parent's imports: True" in lines
     assert lines.count("[rank 0] printed once") == 2
     assert "[rank 1] rank 1 of 2 on cpu" in lines
     assert "environment unchanged" in lines
