@@ -76,9 +76,11 @@ notebook-lane:
 	$(BIN)/pytest $(HARNESS_TESTS)
 
 # The fast tier, for contributors between commits: lint and the unit tests not marked
-# slow (no trainings, JupyterLab, torchrun or long waits). `make test` before pushing.
+# slow (no trainings, JupyterLab, torchrun or long waits), on one pytest worker per CPU
+# (pytest-xdist; CHECK_WORKERS=0 runs them in this process). `make test` before pushing.
+CHECK_WORKERS ?= logical
 check: lint
-	$(BIN)/pytest tests --ignore=tests/browser -m "not slow" -q
+	$(BIN)/pytest tests --ignore=tests/browser -m "not slow" -q -n $(CHECK_WORKERS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check mgpu_helpers tests notebooks benchmarks scripts tools solutions
