@@ -5,8 +5,9 @@ from fractions import Fraction
 
 import numpy as np
 
-from mgpu_helpers import costs, pipeline_parallel, planner
+from mgpu_helpers import costs, planner
 from mgpu_helpers.costs import ring_bytes_sent
+from mgpu_helpers.parallel import pipeline
 from mgpu_helpers.parallel.pipeline import theoretical_bubble
 
 # ------------------------------------------------------------------ 14.1
@@ -148,7 +149,7 @@ def bubble_through_an_alias(pp, micro_batches, virtual_stages):
 
 
 def bubble_through_the_package(pp, micro_batches, virtual_stages):
-    return pipeline_parallel.theoretical_bubble(pp, micro_batches, virtual_stages)
+    return pipeline.theoretical_bubble(pp, micro_batches, virtual_stages)
 
 
 # ------------------------------------------------------------------ 14.4

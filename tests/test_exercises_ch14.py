@@ -11,7 +11,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from mgpu_helpers import costs, exercises, pipeline_parallel, planner, strategy
+from mgpu_helpers import costs, exercises, planner, strategy
 from mgpu_helpers.exercises import ch14, core
 from mgpu_helpers.parallel import pipeline
 from mgpu_helpers.parallel.pipeline import timeline
@@ -77,8 +77,7 @@ def test_each_exercise_has_three_mistakes_or_more():
 WATCHED = [(planner, "predict"), (planner, "stage_memory"), (planner, "layers_in_flight"),
            (planner, "collective_seconds"), (costs, "ring_bytes_sent"),
            (costs, "training_state_bytes"), (strategy, "memory_budget"),
-           (timeline, "theoretical_bubble"), (pipeline, "theoretical_bubble"),
-           (pipeline_parallel, "theoretical_bubble")]
+           (timeline, "theoretical_bubble"), (pipeline, "theoretical_bubble")]
 
 
 def test_every_helper_is_back_on_its_module_after_a_check_even_one_that_raised():

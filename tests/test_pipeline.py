@@ -344,21 +344,3 @@ def test_the_from_scratch_steps_refuse_a_stage_module_that_is_not_on_the_cpu(ste
     with pytest.raises(ValueError, match=r"parameter '0.weight' is on meta; for GPU stages "
                                          r"use torch.distributed.pipelining"):
         run(stage_module if step == "gpipe_step" else [stage_module], 2, *batch())
-
-
-# ------------------------------------------------------------- the old module
-
-OLD_NAMES = ("MAX_DIMS", "ActivationMeter", "Event", "LayerCost", "Timeline",
-             "balanced_cuts", "bubble_fraction", "bubble_to_compute", "gpipe_step",
-             "ideal_speedup", "instant_transfers", "interleaved_1f1b_step",
-             "interleaved_order", "layer_costs", "micro_batch_size", "plot_timeline",
-             "split_sequential", "theoretical_bubble")
-
-
-def test_the_old_module_still_exposes_every_old_name_from_its_new_home():
-    from mgpu_helpers import memory, pipeline_parallel, viz
-
-    homes = {"ActivationMeter": memory, "plot_timeline": viz}
-    for name in OLD_NAMES:
-        assert getattr(pipeline_parallel, name) is getattr(homes.get(name, pp), name), name
-    assert sorted(pipeline_parallel.__all__) == sorted(OLD_NAMES)

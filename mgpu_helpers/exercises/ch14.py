@@ -67,7 +67,7 @@ def _refuser(name: str, key: str, used: list[str], codes: dict) -> Callable:
 @contextlib.contextmanager
 def _helpers_refused(helpers: dict[Callable, str], key: str, used: list[str]):
     """Every module of this package that holds one of ``helpers`` (its home, and the
-    modules that import it: ``parallel.pipeline``, ``pipeline_parallel``...) holds a
+    modules that import it: ``parallel.pipeline``...) holds a
     refusing stand-in instead, until the block ends."""
     by_id = {id(function): (function, name) for function, name in helpers.items()}
     codes = {function.__code__: name for function, name in helpers.items()}
