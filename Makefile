@@ -105,22 +105,17 @@ slurm-test: $(STAMP)
 	status=$$?; python3 tools/slurm_cluster.py stop $$folder; \
 	[ $$status -ne 0 ] || rm -rf $$folder; exit $$status
 
-# Chapter 06 runs on the best kernels: its checks hold pipeline timings to the schedules'
-# theory, which assumes pieces of equal time, and its pieces are cut at equal FLOPs, which
-# the generic kernels turn into unequal times (GPipe idled 6 to 7 points above the theory
-# there, failing the fresh-clone runs). Chapters whose compared outputs are computed
-# numbers (02 to 05, 07, 10 to 14, and the appendices
-# holding their digressions) run on PyTorch's generic
-# kernels (ATEN_CPU_CAPABILITY=default), standing in for another CPU: their outputs were
-# stored with this machine's best kernels, so a number printed past its precision fails
-# here. The others run on the best kernels. `make nbval-kernels` runs every chapter on
-# KERNELS (default, or avx2...).
+# Which of PyTorch's CPU kernels nbval runs a notebook on is a flag in its metadata
+# (metadata.workbook.nbval_kernels, read by tools/chapters.py). "generic": chapters whose
+# compared outputs are computed numbers run on PyTorch's generic kernels
+# (ATEN_CPU_CAPABILITY=default), standing in for another CPU: their outputs were stored
+# with this machine's best kernels, so a number printed past its precision fails here.
+# "best" (the default): the others, and chapter 06, whose checks hold pipeline timings to
+# the schedules' theory, which assumes pieces of equal time; its pieces are cut at equal
+# FLOPs, which the generic kernels turn into unequal times. `make nbval-kernels` runs
+# every chapter on KERNELS (default, or avx2...).
 KERNELS ?= default
-NBVAL_GENERIC := $(wildcard notebooks/02_*.ipynb notebooks/03_*.ipynb notebooks/04_*.ipynb \
-  notebooks/05_*.ipynb notebooks/07_*.ipynb notebooks/10_*.ipynb \
-  notebooks/11_*.ipynb notebooks/12_*.ipynb notebooks/13_*.ipynb notebooks/14_*.ipynb \
-  notebooks/appendix_ddp_internals.ipynb notebooks/appendix_pipeline_details.ipynb \
-  notebooks/appendix_sharding_details.ipynb notebooks/appendix_language_model_details.ipynb)
+NBVAL_GENERIC := $(shell $(PYTHON) tools/chapters.py kernels generic $(NOTEBOOKS))
 nbval: $(STAMP)
 	$(if $(filter-out $(NBVAL_GENERIC),$(NOTEBOOKS)),$(WITH_NB_ENV) $(BIN)/pytest $(NBVAL_FLAGS) \
 	  $(filter-out $(NBVAL_GENERIC),$(NOTEBOOKS)))

@@ -305,3 +305,38 @@ def test_at_least_80_percent_of_code_cells_have_compared_outputs():
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "compared_share.py"),
                            "--min", "0.8"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_nbval_runs_each_notebook_on_the_kernels_its_metadata_names(tmp_path, capsys):
+    # The flag, read: "best" where unset, an unknown value refused with the fix
+    flagged = {}
+    for kind in (None, "generic", "best", "fast"):
+        notebook = new_notebook(cells=[new_markdown_cell("# 01 · A")])
+        if kind:
+            notebook.metadata[chapters.METADATA_KEY] = {"nbval_kernels": kind}
+        flagged[kind] = tmp_path / f"{kind}.ipynb"
+        nbformat.write(notebook, flagged[kind])
+    assert [chapters.nbval_kernels(flagged[k]) for k in (None, "generic", "best")] == \
+        ["best", "generic", "best"]
+    with pytest.raises(ValueError, match=r"nbval_kernels.*'fast'; use one of 'best', 'generic'"):
+        chapters.nbval_kernels(flagged["fast"])
+    assert chapters.main(["kernels", "generic", *map(str, flagged.values())]) == 2
+    assert "'fast'" in capsys.readouterr().err
+    # ... and followed by `make nbval`: the flagged notebooks, and they alone, on the
+    # generic kernels; the others on this CPU's best, each notebook run once
+    dry = subprocess.run(["make", "-n", "--no-print-directory", "nbval"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    runs = [line for line in dry.splitlines() if "--nbval" in line]
+    assert len(runs) == 2, dry
+    generic = [run for run in runs if "ATEN_CPU_CAPABILITY=default" in run]
+    assert len(generic) == 1, runs
+
+    def notebooks_in(command):
+        return sorted(re.findall(r"notebooks/\S+\.ipynb", command))
+
+    every = sorted(str(p.relative_to(ROOT)) for p in NOTEBOOKS.glob("*.ipynb")
+                   if p.name != chapters.LANDING_NAME)  # the landing page is browser-tested
+    expected = [p for p in every if chapters.nbval_kernels(ROOT / p) == "generic"]
+    assert notebooks_in(generic[0]) == expected
+    assert sorted(notebooks_in(runs[0]) + notebooks_in(runs[1])) == every
+    assert "notebooks/06_model_parallel_and_pipelining.ipynb" not in expected

@@ -3,6 +3,10 @@
 Each chapter notebook keeps what describes it in its own metadata, under ``"workbook"``:
 ``summary`` (one line: what you learn) and ``run_time_s`` (seconds, measured by
 ``execute`` when the chapter last ran in a fresh kernel, kernel start included).
+Every notebook (appendices too) may set ``nbval_kernels`` there: ``"generic"`` where its
+compared outputs are computed numbers, so ``make nbval`` runs it on PyTorch's generic
+kernels (a number printed past its precision fails there); ``"best"``, the default,
+runs it on this CPU's best kernels.
 From these, ``write_landing`` builds the landing notebook that ``make lab`` opens:
 the chapter map with links and this machine's environment report.
 
@@ -12,6 +16,7 @@ Command line (what the Makefile runs)::
     python tools/chapters.py execute notebooks/05_*.ipynb   # run in place, timed
     python tools/chapters.py nav                             # navigation lines
     python tools/chapters.py landing                         # notebooks/start_here.ipynb
+    python tools/chapters.py kernels generic notebooks/*.ipynb  # those nbval runs so
 """
 
 from __future__ import annotations
@@ -117,6 +122,20 @@ def read_chapter(path: Path) -> Chapter:
                    summary=summary, run_time_s=info.get("run_time_s"),
                    run_time_machine=info.get("run_time_machine"),
                    gpu_check=info.get("gpu_check"), words=words, code_lines=code_lines)
+
+
+NBVAL_KERNELS = ("best", "generic")
+
+
+def nbval_kernels(path: Path) -> str:
+    """Which of PyTorch's CPU kernels ``make nbval`` runs a notebook on: its metadata's
+    ``nbval_kernels``, ``"best"`` where unset."""
+    info = json.loads(Path(path).read_text()).get("metadata", {}).get(METADATA_KEY, {})
+    kind = info.get("nbval_kernels", "best")
+    if kind not in NBVAL_KERNELS:
+        raise ValueError(f'{path}: metadata["{METADATA_KEY}"]["nbval_kernels"] is {kind!r}; '
+                         f"use one of {', '.join(map(repr, NBVAL_KERNELS))}")
+    return kind
 
 
 NOT_RUN_ON_GPU = "not yet run on a GPU"
@@ -548,8 +567,17 @@ def main(argv: list[str] | None = None) -> int:
     landing.add_argument("notebooks_dir", type=Path, nargs="?", default=Path("notebooks"),
                          help=f"the chapters' folder; the page is written there as "
                               f"{LANDING_NAME}")
+    kernels = commands.add_parser("kernels", help="print the notebooks nbval runs on KIND")
+    kernels.add_argument("kind", choices=NBVAL_KERNELS)
+    kernels.add_argument("notebooks", nargs="*", type=Path)
     args = parser.parse_args(argv)
-    if args.command == "execute":
+    if args.command == "kernels":
+        try:
+            print(" ".join(str(p) for p in args.notebooks if nbval_kernels(p) == args.kind))
+        except (OSError, ValueError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+    elif args.command == "execute":
         missing = [str(p) for p in args.notebooks if not p.is_file()]
         if missing:
             parser.error(f"no such notebook: {', '.join(missing)}")
