@@ -8,12 +8,13 @@ from .env import describe
 from .launcher import LaunchError, launch
 from .notebook_settings import check_notebook_settings
 from .ranks import device, is_main, local_rank, print0, rank, restart_count, world_size
+from .source import show
 from .visible_devices import parse_cuda_visible_devices
 
 __all__ = [
     "LaunchError", "check_notebook_settings", "describe", "device", "exercises", "is_main",
     "launch", "local_rank", "parse_cuda_visible_devices", "print0", "rank", "restart_count",
-    "world_size",
+    "show", "world_size",
 ]
 __version__ = "0.1.0"
 

@@ -3,15 +3,21 @@ lesson's code"): helpers hide plumbing, never the lesson.
 
 Each chapter's code cells are parsed with ``ast`` and every call is collected: its
 name (``fully_shard``), its dotted name as written (``dcp.load``), and each keyword it
-is given (``async_save(process_group=)``). A call made inside a helper module, shown
-through ``inspect.getsource``, written in a comment or a string, or only imported, is
-not in the chapter's code, and the table below then fails with a message that names it.
+is given (``async_save(process_group=)``). A technique the package keeps for later
+chapters (ring attention, the TP plan, the all-to-all) is shown where it is taught with
+``mh.show(...)``, which renders its source in the chapter: the calls in the source of
+what a cell imports and shows count as the chapter's. A call made inside a helper module
+and not shown, written in a comment or a string, or only imported, is not in the
+chapter's code, and the table below then fails with a message that names it.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 import json
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -124,14 +130,49 @@ def calls_in(source: str) -> set[str]:
     return found
 
 
+def shown_sources(source: str) -> list[str]:
+    """The source of each object a ``show(...)`` call of ``source`` renders, each named
+    as the cell names it: imported (``from m import f`` or ``import m as p``) and handed
+    to show by name (``f``) or attribute (``p.f``)."""
+    imported: dict[str, str] = {}  # the name in the cell -> "module" or "module:attribute"
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                imported[alias.asname or alias.name] = f"{node.module}:{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                imported[alias.asname or alias.name.split(".")[0]] = (
+                    alias.name if alias.asname else alias.name.split(".")[0])
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and (_dotted(node.func) or "").endswith("show")):
+            continue
+        for argument in node.args:
+            dotted = _dotted(argument)
+            if dotted is None or dotted.split(".")[0] not in imported:
+                continue
+            head, *rest = dotted.split(".")
+            module, _, attribute = imported[head].partition(":")
+            item = importlib.import_module(module)
+            for name in ([attribute] if attribute else []) + rest:
+                item = getattr(item, name)
+            found.append(textwrap.dedent(inspect.getsource(item)))
+    return found
+
+
 def chapter_calls(path: Path) -> set[str]:
-    """The calls of a notebook's code cells (IPython's ``%`` and ``!`` lines left out)."""
+    """The calls of a notebook's code cells (IPython's ``%`` and ``!`` lines left out),
+    and of the source they show with ``mh.show``."""
     found: set[str] = set()
     for cell in json.loads(path.read_text())["cells"]:
         if cell["cell_type"] == "code":
             lines = "".join(cell["source"]).splitlines()
-            found |= calls_in("\n".join(line for line in lines
-                                        if not line.lstrip().startswith(("%", "!"))))
+            source = "\n".join(line for line in lines
+                               if not line.lstrip().startswith(("%", "!")))
+            found |= calls_in(source)
+            for shown in shown_sources(source):
+                found |= calls_in(shown)
     return found
 
 
@@ -172,6 +213,25 @@ grid = mh.launch(mesh2d.fsdp_and_tp, nprocs=4)
     assert "`fully_shard(mesh=)`" in message and "must show" in message
     shown = hidden + "fully_shard(layer, mesh=mesh)\n"
     assert missing(table, calls_in(shown)) == []
+
+
+def test_the_source_a_cell_shows_with_mh_show_counts_and_text_alone_does_not(tmp_path):
+    table = [(("batch_isend_irecv",), "the ring's messages")]
+    cells = {
+        "shown": "from mgpu_helpers.parallel.context import pass_along\n\nmh.show(pass_along)",
+        "by attribute": "from mgpu_helpers.parallel import context as cp\n\nmh.show(cp.pass_along)",
+        "as text": "from mgpu_helpers.parallel.context import pass_along\n\n"
+                   "Code(inspect.getsource(pass_along))",
+        "imported only": "from mgpu_helpers.parallel.context import pass_along",
+    }
+    verdicts = {}
+    for name, source in cells.items():
+        notebook = {"cells": [{"cell_type": "code", "source": source}]}
+        path = tmp_path / f"{name}.ipynb"
+        path.write_text(json.dumps(notebook))
+        verdicts[name] = missing(table, chapter_calls(path)) == []
+    assert verdicts == {"shown": True, "by attribute": True, "as text": False,
+                        "imported only": False}
 
 
 def test_names_keywords_and_alternatives_are_matched():

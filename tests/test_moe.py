@@ -7,18 +7,39 @@ functions and classes) and checks them."""
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from test_ring_attention import chapter_definitions  # the same cell loader
 
 import mgpu_helpers as mh
 from mgpu_helpers.launcher import LaunchError
 
 CHAPTER = Path(__file__).resolve().parents[1] / "notebooks" / "13_mixture_of_experts.ipynb"
-LESSON = chapter_definitions(CHAPTER)
+
+
+def chapter_definitions(chapter: Path = CHAPTER) -> dict:
+    """The namespace the chapter's imports, functions and classes make, run in order (a
+    function whose defaults name the chapter's run-time values is left out)."""
+    namespace: dict = {}
+    for cell in json.loads(chapter.read_text())["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        tree = ast.parse("".join(cell["source"]))
+        for node in tree.body:
+            if not isinstance(node, ast.Import | ast.ImportFrom | ast.FunctionDef | ast.ClassDef):
+                continue
+            try:
+                exec(compile(ast.Module(body=[node], type_ignores=[]), str(chapter), "exec"),
+                     namespace)
+            except NameError:  # a default argument from the chapter's run (STEPS...)
+                continue
+    return namespace
+
+
+LESSON = chapter_definitions()
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 

@@ -1,53 +1,25 @@
-"""Chapter 12's ring attention, as the chapter writes it, on cases the chapter does not run:
-3 ranks (an odd ring), other sizes, both splits, the all-gather design, the zig-zag
-positions for 1 to 5 ranks, and the refusal of a sequence that does not cut evenly.
-
-The chapter's code is the lesson and lives in its cells; this test runs the cells'
-definitions (their imports, functions and classes, nothing else) and checks them."""
+"""Chapter 12's context parallelism (mgpu_helpers.parallel.context), on cases the chapter
+does not run: 3 ranks (an odd ring), other sizes, both splits, the all-gather design, the
+zig-zag positions for 1 to 5 ranks, and the refusal of a sequence that does not cut
+evenly."""
 
 from __future__ import annotations
-
-import ast
-import json
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import mgpu_helpers as mh
+from mgpu_helpers.parallel import context as cp
 
-CHAPTER = Path(__file__).resolve().parents[1] / "notebooks" / "12_context_parallelism.ipynb"
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
-
-
-def chapter_definitions(chapter: Path = CHAPTER) -> dict:
-    """The namespace the chapter's imports, functions and classes make, run in order (a
-    function whose defaults name the chapter's run-time values is left out)."""
-    namespace: dict = {}
-    for cell in json.loads(chapter.read_text())["cells"]:
-        if cell["cell_type"] != "code":
-            continue
-        tree = ast.parse("".join(cell["source"]))
-        for node in tree.body:
-            if not isinstance(node, ast.Import | ast.ImportFrom | ast.FunctionDef | ast.ClassDef):
-                continue
-            try:
-                exec(compile(ast.Module(body=[node], type_ignores=[]), str(chapter), "exec"),
-                     namespace)
-            except NameError:  # a default argument from the chapter's run (STEPS...)
-                continue
-    return namespace
-
-
-LESSON = chapter_definitions()
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("zigzag", [False, True])
 def test_the_splits_cover_every_position_once(ranks, zigzag):
     length = 2 * ranks * 3
-    held = [LESSON["positions_of"](rank, ranks, length, zigzag).tolist()
+    held = [cp.positions_of(rank, ranks, length, zigzag).tolist()
             for rank in range(ranks)]
     assert sorted(p for positions in held for p in positions) == list(range(length))
     for positions in held:  # two runs of consecutive positions, in order within each
@@ -58,10 +30,10 @@ def test_the_splits_cover_every_position_once(ranks, zigzag):
 @pytest.mark.parametrize("ranks", [2, 3, 4, 5])
 def test_zigzag_gives_every_rank_the_same_causal_work(ranks):
     length = 2 * ranks * 4
-    work = [sum(int(p) + 1 for p in LESSON["positions_of"](rank, ranks, length, True))
+    work = [sum(int(p) + 1 for p in cp.positions_of(rank, ranks, length, True))
             for rank in range(ranks)]  # a query at p attends to p + 1 keys
     assert len(set(work)) == 1
-    in_order = [sum(int(p) + 1 for p in LESSON["positions_of"](rank, ranks, length, False))
+    in_order = [sum(int(p) + 1 for p in cp.positions_of(rank, ranks, length, False))
                 for rank in range(ranks)]
     assert in_order == sorted(in_order) and in_order[0] < in_order[-1]
 
@@ -69,7 +41,7 @@ def test_zigzag_gives_every_rank_the_same_causal_work(ranks):
 def test_a_sequence_that_does_not_cut_evenly_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="does not cut into 6 equal chunks for 3 ranks: pad "
                                          "it to a multiple of 6"):
-        LESSON["positions_of"](0, 3, 16, True)
+        cp.positions_of(0, 3, 16, True)
 
 
 def _against_one_process(zigzag: bool, design: str, length: int, head_dim: int):
@@ -82,12 +54,12 @@ def _against_one_process(zigzag: bool, design: str, length: int, head_dim: int):
     d_out = torch.randn(3, 2, length, head_dim, generator=generator)
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     (expected * d_out).sum().backward()
-    mine = LESSON["positions_of"](rank, ranks, length, zigzag)
+    mine = cp.positions_of(rank, ranks, length, zigzag)
     q_r, k_r, v_r = (x.detach()[..., mine, :].clone().requires_grad_() for x in (q, k, v))
     if design == "ring":
-        out = LESSON["RingAttention"].apply(q_r, k_r, v_r, dist.group.WORLD, zigzag)
+        out = cp.RingAttention.apply(q_r, k_r, v_r, dist.group.WORLD, zigzag)
     else:
-        out = LESSON["all_gather_attention"](q_r, k_r, v_r, dist.group.WORLD, zigzag)
+        out = cp.all_gather_attention(q_r, k_r, v_r, dist.group.WORLD, zigzag)
     (out * d_out[..., mine, :]).sum().backward()
     pairs = [(out.detach(), expected.detach()), (q_r.grad, q.grad), (k_r.grad, k.grad),
              (v_r.grad, v.grad)]
@@ -109,7 +81,21 @@ def test_one_rank_is_plain_causal_attention():
 
 
 def _ring_bytes():
-    return LESSON["design_costs"]()
+    # this rank's share of chapter 12's sizes: batch 2, 3 heads of 8, 32 tokens over the ring
+    import torch.distributed as dist
+
+    from mgpu_helpers.labs.comm_log import CollectivesLogged, ring_bytes_sent
+
+    generator = torch.Generator().manual_seed(mh.rank())
+    q, k, v = (torch.randn(2, 3, 32 // mh.world_size(), 8, generator=generator,
+                           requires_grad=True) for _ in range(3))
+    with CollectivesLogged() as forward:
+        out = cp.RingAttention.apply(q, k, v, dist.group.WORLD, True)
+    with CollectivesLogged() as backward:
+        out.sum().backward()
+    sent = [sum(ring_bytes_sent(kind, size, mh.world_size()) for kind, size in log.calls)
+            for log in (forward, backward)]
+    return sent, k.numel() * 4
 
 
 def test_the_planner_prices_the_chapters_ring_as_the_chapter_counts_it():
@@ -117,8 +103,7 @@ def test_the_planner_prices_the_chapters_ring_as_the_chapter_counts_it():
     # collectives counted at the dispatcher (comm_log), forward and backward
     from mgpu_helpers import planner
 
-    designs, block = mh.launch(_ring_bytes, nprocs=4, backend="gloo")
-    forward, backward = designs["ring"]["sent"]
+    (forward, backward), block = mh.launch(_ring_bytes, nprocs=4, backend="gloo")
     model = planner.Model("ring", layers=1, dim=24, heads=3, ffn=8, vocab=8)
     plan = planner.Plan(cp=4, micro_batch=2, zero=0)
     predicted = planner.predict(model, planner.H100_NODES, plan, 32, planner.FLOAT32)
