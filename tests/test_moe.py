@@ -1,51 +1,23 @@
-"""Chapter 13's MoE layer and expert parallelism, as the chapter writes them, on cases the
-chapter does not run: 3 ranks, experts that receive no token, a rank that sends nothing,
-capacity at its edges, and the abort when a rank's counts disagree with its data.
-
-The chapter's code lives in its cells; this test runs their definitions (imports,
-functions and classes) and checks them."""
+"""Chapter 13's MoE layer and expert parallelism (mgpu_helpers.parallel.expert), on cases
+the chapter does not run: 3 ranks, experts that receive no token, a rank that sends
+nothing, capacity at its edges, and the abort when a rank's counts disagree with its
+data."""
 
 from __future__ import annotations
-
-import ast
-import json
-from pathlib import Path
 
 import pytest
 import torch
 
 import mgpu_helpers as mh
 from mgpu_helpers.launcher import LaunchError
+from mgpu_helpers.parallel import expert as ep
 
-CHAPTER = Path(__file__).resolve().parents[1] / "notebooks" / "13_mixture_of_experts.ipynb"
-
-
-def chapter_definitions(chapter: Path = CHAPTER) -> dict:
-    """The namespace the chapter's imports, functions and classes make, run in order (a
-    function whose defaults name the chapter's run-time values is left out)."""
-    namespace: dict = {}
-    for cell in json.loads(chapter.read_text())["cells"]:
-        if cell["cell_type"] != "code":
-            continue
-        tree = ast.parse("".join(cell["source"]))
-        for node in tree.body:
-            if not isinstance(node, ast.Import | ast.ImportFrom | ast.FunctionDef | ast.ClassDef):
-                continue
-            try:
-                exec(compile(ast.Module(body=[node], type_ignores=[]), str(chapter), "exec"),
-                     namespace)
-            except NameError:  # a default argument from the chapter's run (STEPS...)
-                continue
-    return namespace
-
-
-LESSON = chapter_definitions()
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 
 def test_capacity_keeps_the_first_assignments_and_counts_the_rest():
     torch.manual_seed(0)
-    layer = LESSON["MoE"](dim=8, hidden=16, experts=4, top_k=1, capacity_factor=0.25)
+    layer = ep.MoE(dim=8, hidden=16, experts=4, top_k=1, capacity_factor=0.25)
     x = torch.randn(32, 8)
     with torch.no_grad():
         out = layer(x)
@@ -60,7 +32,7 @@ def test_capacity_keeps_the_first_assignments_and_counts_the_rest():
 
 
 def test_the_balancing_loss_is_one_when_even_and_grows_as_the_load_concentrates():
-    layer = LESSON["MoE"](dim=4, hidden=8, experts=4, top_k=1)
+    layer = ep.MoE(dim=4, hidden=8, experts=4, top_k=1)
     with torch.no_grad():
         layer.router.weight.zero_()  # every probability 1/4
         layer.route(torch.randn(16, 4))
@@ -80,17 +52,17 @@ def _ep_against_one_process(tokens_per_rank, experts):
 
     rank, ranks = mh.rank(), mh.world_size()
     torch.manual_seed(3)
-    reference = LESSON["MoE"](8, 16, experts=experts, top_k=2)
+    reference = ep.MoE(8, 16, experts=experts, top_k=2)
     torch.manual_seed(3)
-    layer = LESSON["MoE"](8, 16, experts=experts, top_k=2)
-    LESSON["expert_parallel_"](layer, dist.group.WORLD)
+    layer = ep.MoE(8, 16, experts=experts, top_k=2)
+    ep.expert_parallel_(layer, dist.group.WORLD)
     generator = torch.Generator().manual_seed(4)
     x = torch.randn(sum(tokens_per_rank), 8, generator=generator, requires_grad=True)
     reference(x).pow(2).sum().backward()
     start = sum(tokens_per_rank[:rank])
     mine = slice(start, start + tokens_per_rank[rank])
     x_r = x.detach()[mine].clone().requires_grad_()
-    out = LESSON["expert_parallel_forward"](layer, x_r, dist.group.WORLD)
+    out = ep.expert_parallel_forward(layer, x_r, dist.group.WORLD)
     out.pow(2).sum().backward()
     errors = [0.0]
     if len(x_r):  # a rank with no token of its own has no output to compare
@@ -115,13 +87,13 @@ def test_three_ranks_with_uneven_tokens_match_one_process(tokens_per_rank):
 
 
 def test_experts_that_do_not_split_are_refused():
-    layer = LESSON["MoE"](4, 8, experts=5, top_k=1)
+    layer = ep.MoE(4, 8, experts=5, top_k=1)
 
     def refused():
         import torch.distributed as dist
 
         try:
-            LESSON["expert_parallel_"](layer, dist.group.WORLD)
+            ep.expert_parallel_(layer, dist.group.WORLD)
         except ValueError as error:
             return str(error)
 
@@ -147,7 +119,3 @@ def test_counts_that_disagree_with_the_data_abort_the_ranks_under_gloo(capfd):
     with pytest.raises(LaunchError, match="SIGABRT"):
         mh.launch(_counts_that_lie, nprocs=2, backend="gloo", timeout=20)
     assert "Received data size doesn't match expected size" in capfd.readouterr().err
-
-
-def test_the_chapter_file_is_the_one_loaded():
-    assert json.loads(CHAPTER.read_text())["cells"][0]["source"][0].startswith("# 13 · ")

@@ -2,8 +2,10 @@
 
 :mod:`~mgpu_helpers.parallel.pipeline` (chapter 06) cuts a model into pieces that run one
 after the other on different ranks; :mod:`~mgpu_helpers.parallel.context` (chapter 12) cuts
-the sequence, attention passing keys and values around a ring. Tensor and expert
-parallelism (``tensor``, ``expert``) will sit beside them, in the same shape: in each,
+the sequence, attention passing keys and values around a ring;
+:mod:`~mgpu_helpers.parallel.expert` (chapter 13) spreads a mixture-of-experts layer's
+experts over ranks. Tensor parallelism (``tensor``) will sit beside them, in the same
+shape: in each,
 the algorithm (what is cut where, which rank computes what, in which order) lives apart
 from its communication (what is sent to whom, and how messages are told apart), so that
 a reader can follow one without the other.
