@@ -8,8 +8,8 @@ import inspect
 
 
 def show(*objects):
-    """The source of each of ``objects`` (functions, classes, methods), one after the
-    other, as an ``IPython.display.Code`` block: a notebook cell that ends with it shows
+    """The source of each of ``objects`` (functions, classes, methods, whole modules), one
+    after the other, as an ``IPython.display.Code`` block: a notebook cell that ends with it shows
     the code highlighted, and its text as plain text elsewhere."""
     from IPython.display import Code
 
@@ -20,6 +20,6 @@ def show(*objects):
         try:
             sources.append(inspect.getsource(item).rstrip("\n"))
         except TypeError:
-            raise TypeError(f"show() shows functions, classes and methods; got "
+            raise TypeError(f"show() shows functions, classes, methods and modules; got "
                             f"{type(item).__name__} {item!r}") from None
     return Code("\n\n\n".join(sources) + "\n", language="python")
