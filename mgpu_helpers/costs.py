@@ -38,9 +38,58 @@ blocks, a the heads, r the MLP ratio, V the vocabulary, b sequences of s tokens.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .models.gpt import GPTConfig
 
 FLOAT32_BYTES = 4
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``a / b`` rounded up: what the largest of ``b`` shards of ``a`` holds."""
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter a GPU holds for the weights, their gradients and AdamW's state
+    (before any sharding), and ``copies``: bytes per parameter of the matrix products for
+    the 16-bit copies of their weights that live through the step where the weights are
+    whole on every GPU (autocast's, under DDP and ZeRO-1/2; FSDP2's gathered copies are
+    counted in its working set instead). ``activation``: bytes per activation element."""
+
+    name: str
+    weight: int
+    gradient: int
+    optimizer: int
+    copies: int = 0
+    activation: int = 2
+
+
+#: The ZeRO paper's mixed precision (Rajbhandari et al., 2020, section 3.1: 2 + 2 + 12
+#: bytes a parameter, "16Ψ"): 16-bit weights and gradients, and in the optimizer float32
+#: master weights and Adam's two float32 moments. The planner's and the strategy map's
+#: default.
+MIXED = Precision("ZeRO paper: 16-bit weights and gradients, float32 master weights and "
+                  "Adam moments", 2, 2, 12)
+#: PyTorch's own mixed precision: float32 weights, gradients and Adam moments (4 + 4 + 8),
+#: and bfloat16 copies of the weights for the matrix products: FSDP2 with
+#: ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
+#: gathers them a block at a time (its working set); under DDP (and
+#: ZeroRedundancyOptimizer) ``torch.autocast`` makes them, a matrix product keeping its
+#: weight's copy for the backward pass and autocast caching the copies until its ``with``
+#: block ends (``copies``).
+PYTORCH = Precision("PyTorch: float32 state, bfloat16 copies for the matrix products",
+                    4, 4, 8, 2)
+#: Megatron-LM's default mixed precision: bfloat16 weights, float32 gradients (its
+#: "main grads", accumulated and reduced in float32), float32 master weights and Adam
+#: moments: 2 + 4 + 12 = 18 bytes a parameter (Megatron-Core's distributed optimizer
+#: documentation; with ``--use-distributed-optimizer`` the 12, and the gradients' share,
+#: are sharded over the data-parallel ranks).
+MEGATRON = Precision("Megatron-LM: bfloat16 weights, float32 gradients, float32 master "
+                     "weights and Adam moments", 2, 4, 12)
+#: Everything in float32, activations too: the workbook's CPU runs.
+FLOAT32 = Precision("float32 throughout", 4, 4, 8, 0, 4)
 
 
 def parameter_counts(config: GPTConfig) -> dict[str, int]:
@@ -99,7 +148,7 @@ def training_state_bytes(parameters: int, shards: int = 1, weight_bytes: int = 4
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
     per_parameter = weight_bytes + gradient_bytes + optimizer_bytes
-    return -(-parameters // shards) * per_parameter
+    return ceil_div(parameters, shards) * per_parameter
 
 
 def ring_bytes_sent(kind: str, nbytes: int, world: int) -> float:

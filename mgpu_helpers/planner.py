@@ -49,12 +49,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import costs
+from .costs import MIXED, Precision, ceil_div
 from .models.gpt import GPTConfig
-from .strategy import MIXED, Precision
 
 GB = 10**9
-#: Everything in float32, activations too: the workbook's CPU runs.
-FLOAT32 = Precision("float32 throughout", 4, 4, 8, 0, 4)
 ACTIVATION_BYTES = 2   # bfloat16 activations
 LOGIT_BYTES = 4        # the loss's logits in float32
 FLOAT32_BYTES = 4
@@ -67,10 +65,6 @@ def _whole(name: str, value, least: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
     return value
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -364,7 +358,7 @@ def collective_seconds(kind: str, nbytes: float, ranks: int, bandwidth: float,
 def stage_layers(model: Model, plan: Plan) -> int:
     """Layers on the fullest stage: ``ceil(L / pp)`` (an uneven split, as Llama 3 405B's
     126 layers over 16 stages, costs the pipeline its slowest stage's time)."""
-    return _ceil_div(model.layers, plan.pp)
+    return ceil_div(model.layers, plan.pp)
 
 
 def layers_in_flight(model: Model, plan: Plan, stage: int) -> int:
@@ -376,7 +370,7 @@ def layers_in_flight(model: Model, plan: Plan, stage: int) -> int:
         return stage_layers(model, plan) * m
     if v == 1:
         return stage_layers(model, plan) * min(m, p - stage)
-    chunk = _ceil_div(model.layers, p * v)
+    chunk = ceil_div(model.layers, p * v)
     return chunk * min(v * m, 2 * (p - stage - 1) + (v - 1) * p + 1)
 
 
@@ -451,7 +445,7 @@ def predict(model: Model, cluster: Cluster, plan: Plan, length: int,
 
     Args:
         length: tokens per sequence.
-        precision: bytes per parameter (:data:`mgpu_helpers.strategy.MIXED` by default).
+        precision: bytes per parameter (:data:`mgpu_helpers.costs.MIXED` by default).
         efficiency: the share of ``cluster.peak_flops`` the matrix products reach.
         headroom: the share of a GPU's memory a plan must leave free to fit.
     """

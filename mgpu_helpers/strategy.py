@@ -15,10 +15,12 @@ parameters and the activations of :mod:`mgpu_helpers.costs` (chapter 10), and
 * FSDP's working set: the weights it gathers and the gradient it reduces, a block at a
   time (:func:`memory_budget`).
 
-Bytes per parameter follow a :class:`Precision`: by default the ZeRO paper's mixed
-precision, bfloat16 weights and gradients (2 + 2) and float32 master weights with Adam's
-two moments (12); :data:`PYTORCH` is PyTorch's own way (float32 state, bfloat16 copies
-for the matrix products). A ZeRO stage divides what it shards by the data-parallel ranks.
+Bytes per parameter follow a :class:`~mgpu_helpers.costs.Precision` (the layouts live in
+:mod:`~mgpu_helpers.costs`, shared with chapter 14's planner): by default the ZeRO paper's
+mixed precision, bfloat16 weights and gradients (2 + 2) and float32 master weights with
+Adam's two moments (12); :data:`~mgpu_helpers.costs.PYTORCH` is PyTorch's own way
+(float32 state, bfloat16 copies for the matrix products). A ZeRO stage divides what it
+shards by the data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import textwrap
 from dataclasses import dataclass
 
 from . import costs
+from .costs import MIXED, Precision, ceil_div
 from .models.gpt import GPTConfig
 
 GB = 10**9
@@ -77,33 +80,6 @@ STEPS = (
 
 
 @dataclass(frozen=True)
-class Precision:
-    """Bytes per parameter a GPU holds for the weights, their gradients and AdamW's state
-    (before any sharding), and ``copies``: bytes per parameter of the matrix products for
-    the 16-bit copies of their weights that live through the step where the weights are
-    whole on every GPU (autocast's, under DDP and ZeRO-1/2; FSDP2's gathered copies are
-    counted in its working set instead)."""
-
-    name: str
-    weight: int
-    gradient: int
-    optimizer: int
-    copies: int = 0
-    activation: int = 2  # bytes per activation element (chapter 14's planner)
-
-
-#: The ZeRO paper's mixed precision (DeepSpeed's): bfloat16 weights and gradients,
-#: float32 master weights and Adam's two float32 moments in the optimizer: 2 + 2 + 12.
-MIXED = Precision("bfloat16 weights and gradients, float32 master weights", 2, 2, 12)
-#: PyTorch's own mixed precision: float32 weights, gradients and Adam moments (4 + 4 + 8),
-#: and bfloat16 copies of the weights for the matrix products. Under DDP (and
-#: ZeroRedundancyOptimizer) torch.autocast makes them: a matrix product keeps its weight's
-#: copy for the backward pass, and autocast caches the copies until its ``with`` block
-#: ends. FSDP2's MixedPrecisionPolicy gathers them a block at a time (the working set).
-PYTORCH = Precision("float32 state, bfloat16 copies for the matrix products", 4, 4, 8, 2)
-
-
-@dataclass(frozen=True)
 class Strategy:
     """How a model is spread over the GPUs.
 
@@ -137,10 +113,6 @@ class Strategy:
         return (self.tp, self.checkpointing, self.zero)
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _check_tp(config: GPTConfig, tp: int) -> None:
     if config.heads % tp or config.dim % tp:
         raise ValueError(f"tensor parallelism over {tp} GPUs needs heads ({config.heads}) and "
@@ -164,7 +136,7 @@ def tp_block_activation_bytes(config: GPTConfig, batch: int, length: int, tp: in
     if tp == 1:
         return whole_block
     gathered = 2 * batch * length * config.dim * element_bytes
-    return gathered + _ceil_div(whole_block - gathered, tp)
+    return gathered + ceil_div(whole_block - gathered, tp)
 
 
 def activation_peak_bytes(config: GPTConfig, batch: int, length: int, tp: int = 1,
@@ -184,7 +156,7 @@ def activation_peak_bytes(config: GPTConfig, batch: int, length: int, tp: int = 
     block = tp_block_activation_bytes(config, batch, length, tp, element_bytes)
     if not checkpointing:
         return outside_blocks + config.layers * block
-    block_input = _ceil_div(batch * length * config.dim * element_bytes, tp)
+    block_input = ceil_div(batch * length * config.dim * element_bytes, tp)
     return outside_blocks + config.layers * block_input + block
 
 
@@ -217,7 +189,7 @@ def memory_budget(config: GPTConfig, strategy: Strategy, gpus: int, batch: int,
     total_parameters = sum(counts.values())
     # TP splits every matrix and embedding; the layer norms' weights stay whole
     whole = counts["layer norms"]
-    per_tp_rank = _ceil_div(total_parameters - whole, strategy.tp) + whole
+    per_tp_rank = ceil_div(total_parameters - whole, strategy.tp) + whole
     ranks = gpus // strategy.tp
 
     def state(shards: int, weight=0, gradient=0, optimizer=0) -> int:
@@ -233,11 +205,11 @@ def memory_budget(config: GPTConfig, strategy: Strategy, gpus: int, batch: int,
     }
     if strategy.zero == 3 and ranks > 1:
         root = total_parameters - config.layers * block_parameters
-        budget["working set"] = _ceil_div(
+        budget["working set"] = ceil_div(
             root * GATHER_BYTES + block_parameters * (2 * GATHER_BYTES + REDUCE_BYTES),
             strategy.tp)
     elif strategy.zero < 3:
-        budget["working set"] = _ceil_div(costs.matmul_parameters(config) * precision.copies,
+        budget["working set"] = ceil_div(costs.matmul_parameters(config) * precision.copies,
                                           strategy.tp)
     budget["total"] = sum(budget.values())
     return budget

@@ -13,7 +13,7 @@ from mgpu_helpers.parallel.pipeline import theoretical_bubble
 from mgpu_helpers.planner import Cluster, Model, Plan
 
 GPT_SIZES = GPTConfig(vocab_size=48, context=16, dim=32, layers=4, heads=4)
-FLOAT32 = strategy.Precision("float32", 4, 4, 8)
+FLOAT32 = costs.Precision("float32", 4, 4, 8)
 # a toy model whose numbers are easy by hand: h = 8, four heads of 2, two kv heads, ffn 16
 TOY = Model("toy", layers=4, dim=8, heads=4, ffn=16, vocab=10, kv_heads=2, gated=True,
             norm_parameters=1)
@@ -279,8 +279,25 @@ def test_expert_parallel_traffic_is_chapter_13s_formula():
     # both again backward
     moe = Model("moe", layers=1, dim=64, heads=4, ffn=32, vocab=8, experts=8, top_k=2)
     plan = Plan(dp=4, ep=4, zero=0, micro_batch=16)
-    got = planner.predict(moe, SLOW, plan, 16, planner.FLOAT32).communication["ep"]
+    got = planner.predict(moe, SLOW, plan, 16, costs.FLOAT32).communication["ep"]
     dispatch = 256 * 2 * 64 * 4 * 3 // 4
     assert dispatch == 98_304 and got.bytes_sent == 4 * dispatch
     experts = planner.stage_parameters(moe, plan, 0)["experts"]
     assert experts == 8 * moe.expert_parameters() / 4  # each rank holds 2 of the 8 experts
+
+
+def test_one_set_of_precision_layouts_serves_the_planner_and_the_strategy_map():
+    # bytes a parameter (weight + gradient + optimizer), each layout as its source counts
+    per_parameter = {name: p.weight + p.gradient + p.optimizer for name, p in (
+        ("ZeRO paper", costs.MIXED), ("PyTorch", costs.PYTORCH),
+        ("Megatron-LM", costs.MEGATRON), ("float32", costs.FLOAT32))}
+    assert per_parameter == {"ZeRO paper": 16, "PyTorch": 16, "Megatron-LM": 18, "float32": 16}
+    assert costs.PYTORCH.copies == 2 and costs.FLOAT32.activation == 4
+    # one home: the planner's and the strategy map's defaults are these objects
+    import inspect
+
+    for function in (planner.stage_memory, planner.predict, strategy.memory_budget):
+        assert inspect.signature(function).parameters["precision"].default is costs.MIXED
+    assert strategy.Precision is planner.Precision is costs.Precision
+    assert not hasattr(strategy, "_ceil_div") and not hasattr(planner, "_ceil_div")
+    assert costs.ceil_div(7, 2) == 4 and costs.ceil_div(8, 2) == 4

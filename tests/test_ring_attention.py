@@ -101,12 +101,12 @@ def _ring_bytes():
 def test_the_planner_prices_the_chapters_ring_as_the_chapter_counts_it():
     # chapter 12's ring on 4 ranks: batch 2, 3 heads of 8, 32 tokens, float32; its
     # collectives counted at the dispatcher (comm_log), forward and backward
-    from mgpu_helpers import planner
+    from mgpu_helpers import costs, planner
 
     (forward, backward), block = mh.launch(_ring_bytes, nprocs=4, backend="gloo")
     model = planner.Model("ring", layers=1, dim=24, heads=3, ffn=8, vocab=8)
     plan = planner.Plan(cp=4, micro_batch=2, zero=0)
-    predicted = planner.predict(model, planner.H100_NODES, plan, 32, planner.FLOAT32)
+    predicted = planner.predict(model, planner.H100_NODES, plan, 32, costs.FLOAT32)
     assert block == 2 * 3 * 8 * 8 * 4  # one rank's K: 8 of the 32 tokens
     assert predicted.communication["cp"].bytes_sent == forward + backward
 
