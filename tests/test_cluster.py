@@ -2,7 +2,7 @@
 inside a SLURM allocation is not, and starts its own ranks.
 
 The kernel tests start a real Jupyter kernel with the variables a 4-task batch job
-carries (tests/slurm_env.py) and run launch() in a cell.
+carries (tests/support/slurm_env.py) and run launch() in a cell.
 """
 
 import json
@@ -12,7 +12,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_notebook
-from slurm_env import batch_allocation, salloc_shell, srun_task
+from support.slurm_env import batch_allocation, salloc_shell, srun_task
 
 from mgpu_helpers.cluster import ClusterEnvironmentError, cluster_environment, slurm_step_tasks
 

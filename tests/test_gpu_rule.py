@@ -7,7 +7,7 @@ Every launch in the chapters, scripts, benchmarks and package is one of two kind
 * **GPU-capable**: ``backend`` "auto" (or the plan's), ``nprocs`` from the plan (or 1),
   and a function that computes on ``mh.device()``.
 
-The launches are read from the source (tests/launch_sites.py), then resolved with the
+The launches are read from the source (tests/support/launch_sites.py), then resolved with the
 launcher's own decision functions for 0, 1, 2 and 8 GPUs: a launch that would ask for
 more GPUs than there are, or run CPU work over NCCL, fails here, without a GPU.
 """
@@ -15,7 +15,7 @@ more GPUs than there are, or run CPU work over NCCL, fails here, without a GPU.
 import pytest
 import torch
 import torch.distributed as dist
-from launch_sites import PLAN, all_sites, computes_on_device
+from support.launch_sites import PLAN, all_sites, computes_on_device
 
 import mgpu_helpers as mh
 from mgpu_helpers.backend import GPU_BACKEND, backend_device_type, plan_for

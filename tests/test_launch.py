@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from slurm_env import srun_task
+from support.slurm_env import srun_task
 
 import mgpu_helpers as mh
 from mgpu_helpers import LaunchError, launch

@@ -1,6 +1,6 @@
 """The workbook on a real SLURM cluster: srun steps, batch jobs, salloc shells, preemption.
 
-Needs a cluster (tests/slurm_jobs.py says which; `make slurm-test` starts one); skipped,
+Needs a cluster (tests/support/slurm_jobs.py says which; `make slurm-test` starts one); skipped,
 saying so, without one, and failed instead when MGPU_REQUIRE_SLURM=1 (CI). Every srun,
 salloc and wait for a batch job is bounded by a timeout.
 """
@@ -12,10 +12,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import slurm_jobs
 import torch
-from slurm_env import batch_allocation, salloc_shell, srun_task
-from slurm_jobs import ENDED, ROOT, run, submit, wait_for_end, wait_until
+from support import slurm_jobs
+from support.slurm_env import batch_allocation, salloc_shell, srun_task
+from support.slurm_jobs import ENDED, ROOT, run, submit, wait_for_end, wait_until
 
 from mgpu_helpers.cluster import cluster_environment
 
@@ -45,7 +45,7 @@ def batch_script(path: Path, body: str) -> Path:
 
 
 def test_the_fixtures_have_the_variables_a_real_slurm_sets(tmp_path):
-    """tests/slurm_env.py's fixtures are what the unit tests believe; this records the
+    """tests/support/slurm_env.py's fixtures are what the unit tests believe; this records the
     real ones (env in a batch step, a salloc command, an srun task) and compares."""
     script = batch_script(tmp_path / "record.sh", f"env > {tmp_path}/batch.env\n")
     job = submit(script, tmp_path / "record.out", "--ntasks=4")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from slurm_env import srun_task
+from support.slurm_env import srun_task
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "scripts" / "train_ddp.py")

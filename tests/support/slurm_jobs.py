@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 # A job's states once it will run no more (a requeued job passes through REQUEUED,
 # then PENDING, and runs again).
