@@ -146,7 +146,9 @@ def shown_sources(source: str) -> list[str]:
                     alias.name if alias.asname else alias.name.split(".")[0])
     found = []
     for node in ast.walk(tree):
-        if not (isinstance(node, ast.Call) and (_dotted(node.func) or "").endswith("show")):
+        if not isinstance(node, ast.Call):
+            continue
+        if (_dotted(node.func) or "").rsplit(".", 1)[-1] != "show":  # show(), mh.show()
             continue
         for argument in node.args:
             dotted = _dotted(argument)
