@@ -28,7 +28,7 @@ CAPABILITIES = ("best", "avx2", "default")
 def train(seeds: list[int], ranks: int) -> list[dict]:
     """Chapter 05's run once per seed, in this process's kernel set."""
     from mgpu_helpers import launch
-    from mgpu_helpers.recipe import DigitsRun, train_digits
+    from mgpu_helpers.training.recipe import DigitsRun, train_digits
 
     rows = []
     for seed in seeds:

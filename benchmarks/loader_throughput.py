@@ -31,8 +31,8 @@ from torch.utils.data import DataLoader  # noqa: E402
 from torchvision.transforms import v2  # noqa: E402
 
 from mgpu_helpers.data import ImageDataset, loader_generator, prepare_digits, seed_worker  # noqa: E402
-from mgpu_helpers.devices import count_gpus  # noqa: E402
 from mgpu_helpers.models import SeedCNN  # noqa: E402
+from mgpu_helpers.runtime.devices import count_gpus  # noqa: E402
 
 from results_dir import results_dir  # noqa: E402
 

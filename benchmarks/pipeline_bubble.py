@@ -42,7 +42,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from mgpu_helpers.labs import gpipe  # noqa: E402
-from mgpu_helpers.viz import plot_timeline  # noqa: E402
+from mgpu_helpers.viz.plots import plot_timeline  # noqa: E402
 
 from results_dir import results_dir  # noqa: E402
 

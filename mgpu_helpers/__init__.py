@@ -4,12 +4,12 @@ The notebooks in ``notebooks/`` teach the concepts; this package holds only the
 boilerplate around them (environment report, process launching, plotting).
 """
 
-from .env import describe
 from .launcher import LaunchError, launch
-from .notebook_settings import check_notebook_settings
-from .ranks import device, is_main, local_rank, print0, rank, restart_count, world_size
+from .runtime.env import describe
+from .runtime.notebook_settings import check_notebook_settings
+from .runtime.ranks import device, is_main, local_rank, print0, rank, restart_count, world_size
+from .runtime.visible_devices import parse_cuda_visible_devices
 from .source import show
-from .visible_devices import parse_cuda_visible_devices
 
 __all__ = [
     "LaunchError", "check_notebook_settings", "describe", "device", "exercises", "is_main",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .env import describe
+from .runtime.env import describe
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,11 +3,13 @@
     python scripts/readme_figures.py [OUT_DIR]      # default: docs/images
 
 * ``augmentation_grid.png`` and ``augmentation_photo.png``: chapter 01's label-preserving
-  digit augmentation (the one chapter 05 trains with, ``mgpu_helpers.recipe.AUGMENT``) and
-  the original tutorial's photo pipeline, drawn by ``mgpu_helpers.viz.augmentation_grid``;
+  digit augmentation (the one chapter 05 trains with, ``mgpu_helpers.training.recipe.AUGMENT``) and
+  the original tutorial's photo pipeline, drawn by
+  ``mgpu_helpers.viz.plots.augmentation_grid``;
 * ``sampler_{without,with}_set_epoch.png``: chapter 02's picture of ``DistributedSampler``
-  on 2 ranks, with and without ``set_epoch``, drawn by ``mgpu_helpers.viz.sampler_partitions`` from
-  orders that 2 real ranks drew (``mgpu_helpers.launch``).
+  on 2 ranks, with and without ``set_epoch``, drawn by
+  ``mgpu_helpers.viz.plots.sampler_partitions`` from orders that 2 real ranks drew
+  (``mgpu_helpers.launch``).
 
 The scaling chart and the pipeline's Gantt chart come from ``make bench-store``
 (``benchmarks/results/ddp_scaling.png``, ``pipeline_bubble.png``); the JupyterLab
@@ -29,9 +31,9 @@ from torch.utils.data import DistributedSampler  # noqa: E402
 from torchvision.transforms import v2  # noqa: E402
 
 import mgpu_helpers as mh  # noqa: E402
-from mgpu_helpers import viz  # noqa: E402
 from mgpu_helpers.data import ImageDataset, load_rgb, prepare_digits, prepare_photos  # noqa: E402
-from mgpu_helpers.recipe import AUGMENT  # noqa: E402
+from mgpu_helpers.training.recipe import AUGMENT  # noqa: E402
+from mgpu_helpers.viz import plots  # noqa: E402
 
 SEED = 0
 DATASET_SIZE, EPOCHS, RANKS = 11, 3, 2
@@ -44,9 +46,9 @@ def augmentation_figures(out_dir: Path) -> list[Path]:
     photo_pipeline = v2.Compose([v2.Resize((224, 224)), v2.RandomHorizontalFlip(),
                                  v2.RandomRotation(10),
                                  v2.ColorJitter(brightness=0.5, contrast=0.5, saturation=0.5)])
-    digit_grid = viz.augmentation_grid(two, AUGMENT, draws=7, seed=SEED,
+    digit_grid = plots.augmentation_grid(two, AUGMENT, draws=7, seed=SEED,
                                        title="chapter 05's training augmentation on a digit")
-    photo_grid = viz.augmentation_grid(photo, photo_pipeline, draws=7, seed=SEED,
+    photo_grid = plots.augmentation_grid(photo, photo_pipeline, draws=7, seed=SEED,
                                        title="the original tutorial's pipeline on a photo")
     paths = [out_dir / "augmentation_grid.png", out_dir / "augmentation_photo.png"]
     for figure, path in zip((digit_grid, photo_grid), paths, strict=True):
@@ -75,7 +77,7 @@ def sampler_figures(out_dir: Path) -> list[Path]:
         per_rank = mh.launch(sampler_orders, DATASET_SIZE, EPOCHS, call_set_epoch,
                              nprocs=RANKS, backend="gloo", return_all=True)
         orders = {epoch: [ranks[epoch] for ranks in per_rank] for epoch in range(EPOCHS)}
-        figure = viz.sampler_partitions(orders, DATASET_SIZE, title)
+        figure = plots.sampler_partitions(orders, DATASET_SIZE, title)
         paths.append(out_dir / f"{name}.png")
         figure.savefig(paths[-1], dpi=100, bbox_inches="tight")
         plt.close(figure)

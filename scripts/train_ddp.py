@@ -7,7 +7,7 @@
     srun --ntasks-per-node 4 python scripts/train_ddp.py          # SLURM, no torchrun
     sbatch scripts/train_ddp.sbatch           # SLURM batch job: saves and requeues on warning
 
-The training itself is chapter 05's `mgpu_helpers.recipe.train_digits`. It saves a
+The training itself is chapter 05's `mgpu_helpers.training.recipe.train_digits`. It saves a
 checkpoint after every epoch and resumes from it when restarted, so
 `torchrun --max-restarts 1` survives a killed rank and finishes with the same weights as
 an uninterrupted run (bitwise, on CPU): every epoch's data order and augmentation are
@@ -24,9 +24,9 @@ import json
 from pathlib import Path
 
 import mgpu_helpers as mh
-from mgpu_helpers.cli import add_options, from_options
-from mgpu_helpers.cluster import cluster_environment
-from mgpu_helpers.recipe import DigitsRun, train_digits
+from mgpu_helpers.runtime.cluster import cluster_environment
+from mgpu_helpers.training.cli import add_options, from_options
+from mgpu_helpers.training.recipe import DigitsRun, train_digits
 
 #: The fields of DigitsRun that are options, each with the chapter's default and the help
 #: text beside the field. The others (stop_after, augment, evaluate_every_epoch, progress,

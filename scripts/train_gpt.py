@@ -6,7 +6,7 @@
         --rdzv-endpoint HOST0:29400 --rdzv-id JOB scripts/train_gpt.py --replicate 2
     srun --ntasks-per-node 8 python scripts/train_gpt.py --replicate 2   # SLURM
 
-The training is chapter 10's `mgpu_helpers.gpt_recipe.train_gpt`: per-block `fully_shard`
+The training is chapter 10's `mgpu_helpers.training.gpt_recipe.train_gpt`: per-block `fully_shard`
 with a `MixedPrecisionPolicy`, optional activation checkpointing and `torch.compile` per
 block, gradient accumulation, and a distributed checkpoint every `--save-every` steps in
 `--checkpoint`, resumed when the script runs again with the same settings (exactly: the
@@ -21,9 +21,9 @@ import json
 from pathlib import Path
 
 import mgpu_helpers as mh
-from mgpu_helpers.cli import add_options, from_options
-from mgpu_helpers.cluster import cluster_environment
-from mgpu_helpers.gpt_recipe import GPTRun, train_gpt
+from mgpu_helpers.runtime.cluster import cluster_environment
+from mgpu_helpers.training.cli import add_options, from_options
+from mgpu_helpers.training.gpt_recipe import GPTRun, train_gpt
 
 #: The fields of GPTRun that are options (verbose serves the notebook).
 OPTIONS = ("steps", "global_batch", "accumulate", "lr", "warmup", "seed", "dim", "layers",

@@ -3,10 +3,10 @@
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from mgpu_helpers import costs
-from mgpu_helpers.gpt_recipe import shard_model
-from mgpu_helpers.memory import ActivationMeter
+from mgpu_helpers.measure.memory import ActivationMeter
 from mgpu_helpers.models.gpt import Block, GPTConfig
+from mgpu_helpers.planning import costs
+from mgpu_helpers.training.gpt_recipe import shard_model
 
 
 def block_activation_bytes(batch, length, dim, heads, mlp_ratio, element_bytes):
@@ -117,6 +117,7 @@ MISTAKES = {
              (shard_every_linear, "fail", "expected one per block and the model"),
              (shard_reducing_in_bfloat16, "fail", "gradients were reduced in BFloat16"),
              (shard_without_a_policy, "fail", "expected torch.bfloat16"),
-             (shard_with_the_chapters_helper, "fail", "called mgpu_helpers.gpt_recipe.shard_model"),
+             (shard_with_the_chapters_helper, "fail",
+              "called mgpu_helpers.training.gpt_recipe.shard_model"),
              (shard_on_the_shard_dimension_only, "fail", "expected (Replicate(), Shard(dim=0))")],
 }

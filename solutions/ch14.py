@@ -5,10 +5,10 @@ from fractions import Fraction
 
 import numpy as np
 
-from mgpu_helpers import costs, planner
-from mgpu_helpers.costs import ring_bytes_sent
 from mgpu_helpers.parallel import pipeline
 from mgpu_helpers.parallel.pipeline import theoretical_bubble
+from mgpu_helpers.planning import costs, planner
+from mgpu_helpers.planning.costs import ring_bytes_sent
 
 # ------------------------------------------------------------------ 14.1
 

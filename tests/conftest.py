@@ -58,7 +58,7 @@ def no_leftover_processes():
 
 # ------------------------------------------------- chapter 05's run, shared by its tests
 
-#: Chapter 05's run (mgpu_helpers.recipe.train_digits) at test size: on 2 ranks, 4
+#: Chapter 05's run (mgpu_helpers.training.recipe.train_digits) at test size: on 2 ranks, 4
 #: optimizer steps an epoch (32 images a rank, micro-batches of 8), 2 epochs.
 DIGITS_QUICK = {"epochs": 2, "limit": 64, "global_batch": 16, "progress": False}
 
@@ -89,7 +89,7 @@ def digits_runs(tmp_path_factory, digits_ready):
     from types import SimpleNamespace
 
     from mgpu_helpers import launch
-    from mgpu_helpers.recipe import DigitsRun, train_digits
+    from mgpu_helpers.training.recipe import DigitsRun, train_digits
 
     folder = tmp_path_factory.mktemp("digits_runs")
 

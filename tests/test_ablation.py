@@ -354,7 +354,7 @@ def resume_badly(run, broken):
     import torch
     from torch.utils.data import DistributedSampler
 
-    from mgpu_helpers.recipe import train_digits
+    from mgpu_helpers.training.recipe import train_digits
 
     saved = (DistributedSampler.set_epoch, torch.manual_seed,
              torch.optim.lr_scheduler.LambdaLR.load_state_dict)
@@ -391,7 +391,7 @@ def test_a_resume_that_forgets_part_of_the_state_differs_from_the_uninterrupted_
 
     import torch
 
-    from mgpu_helpers.recipe import DigitsRun
+    from mgpu_helpers.training.recipe import DigitsRun
 
     # digits_runs (conftest): the run uninterrupted, and stopped after epoch 0
     _, straight_checkpoint, _ = digits_runs.straight

@@ -81,25 +81,26 @@ def write_chapter(path: Path, heading: str, cells: list, summary: str | None = "
 
 def test_helper_modules_follow_imports_and_aliases_across_cells(tmp_path):
     path = write_chapter(tmp_path / "00_x.ipynb", "# 00 · X", [
-        new_code_cell("import mgpu_helpers as mh\nfrom mgpu_helpers import viz\n"
+        new_code_cell("import mgpu_helpers as mh\nfrom mgpu_helpers.viz import plots\n"
                       "%matplotlib inline"),
         new_code_cell("from mgpu_helpers.data import ImageDataset\nmh.launch(print)"),
         new_code_cell("mh.rank()  # defined in ranks.py, re-exported by the package"),
     ])
     assert chapters.helper_modules(path) == ["data/image_folder.py", "launcher/api.py",
-                                             "ranks.py", "viz.py"]
+                                             "runtime/ranks.py", "viz/plots.py"]
 
 
 def test_navigation_links_neighbours_and_helpers(tmp_path):
     for number, title, run_time in (("00", "Start: here", 36.4), ("01", "Middle", None),
                                     ("02", "End", None)):
         write_chapter(tmp_path / f"{number}_c.ipynb", f"# {number} · {title}",
-                      [new_code_cell("from mgpu_helpers.seeding import seed_everything")],
+                      [new_code_cell("from mgpu_helpers.training.seeding import seed_everything")],
                       run_time=run_time)
     found = chapters.read_chapters(tmp_path)
     assert chapters.navigation(found, 0) == (
         "**Navigate** · Next: [01 · Middle](01_c.ipynb) · Helpers used: "
-        "[`seeding.py`](../mgpu_helpers/seeding.py) · Run time: 36 s on 2 CPUs, x86_64, no GPU"
+        "[`training/seeding.py`](../mgpu_helpers/training/seeding.py) · Run time: 36 s on 2 CPUs, "
+        "x86_64, no GPU"
         " · Terms: [glossary](../docs/glossary.md)")
     assert "Run time" not in chapters.navigation(found, 1)  # never measured: nothing claimed
     assert "Previous: [00 · Start](00_c.ipynb) · Next: [02 · End](02_c.ipynb)" in (

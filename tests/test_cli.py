@@ -1,4 +1,4 @@
-"""Options derived from a dataclass's fields (mgpu_helpers.cli), and scripts/train_ddp.py's
+"""Options derived from a dataclass's fields (mgpu_helpers.training.cli), and scripts/train_ddp.py's
 command line, which is derived that way and must stay what it was."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mgpu_helpers.cli import add_options, from_options
-from mgpu_helpers.recipe import DigitsRun
+from mgpu_helpers.training.cli import add_options, from_options
+from mgpu_helpers.training.recipe import DigitsRun
 
 ROOT = Path(__file__).resolve().parent.parent
 

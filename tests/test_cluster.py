@@ -14,7 +14,11 @@ from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_notebook
 from support.slurm_env import batch_allocation, salloc_shell, srun_task
 
-from mgpu_helpers.cluster import ClusterEnvironmentError, cluster_environment, slurm_step_tasks
+from mgpu_helpers.runtime.cluster import (
+    ClusterEnvironmentError,
+    cluster_environment,
+    slurm_step_tasks,
+)
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 

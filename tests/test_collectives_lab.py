@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from mgpu_helpers import launch
 from mgpu_helpers.labs import collectives
-from mgpu_helpers.traffic import sends_counted
+from mgpu_helpers.measure.traffic import sends_counted
 
 
 def ring_against_torch(length):

@@ -8,7 +8,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from mgpu_helpers import launch
-from mgpu_helpers.train import train_one_epoch
+from mgpu_helpers.training.train import train_one_epoch
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 

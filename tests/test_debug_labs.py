@@ -265,7 +265,7 @@ def test_the_augmentation_lab_draws_chapter_02s_random_angles(fixed_augmentation
 
 @pytest.mark.slow
 def test_a_rank_killed_mid_epoch_is_reported_and_the_run_resumes(digits_ready, tmp_path):
-    from mgpu_helpers.recipe import DigitsRun
+    from mgpu_helpers.training.recipe import DigitsRun
 
     run = {"epochs": 2, "limit": 64, "global_batch": 32, "progress": False,
            "evaluate_every_epoch": False, "checkpoint": tmp_path / "run.pt"}

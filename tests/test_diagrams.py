@@ -19,8 +19,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from mgpu_helpers import diagrams  # noqa: E402
 from mgpu_helpers.labs import collectives  # noqa: E402
+from mgpu_helpers.viz import diagrams  # noqa: E402
 
 
 @pytest.fixture

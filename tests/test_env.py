@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from mgpu_helpers import backend, devices, env
-from mgpu_helpers.backend import plan_for
-from mgpu_helpers.devices import GPU, CudaProbe, probe_cuda
-from mgpu_helpers.env import describe
+from mgpu_helpers.runtime import backend, devices, env
+from mgpu_helpers.runtime.backend import plan_for
+from mgpu_helpers.runtime.devices import GPU, CudaProbe, probe_cuda
+from mgpu_helpers.runtime.env import describe
 
 NO_DRIVER = CudaProbe(cuda_error="Found no NVIDIA driver on your system.",
                       cudnn_version=90100, nccl_version="2.21.5")
@@ -235,7 +235,7 @@ def test_a_mapped_driver_counts_as_started_only_once_initialised(tmp_path):
     subprocess.run([compiler, "-shared", "-fPIC", "-o", str(tmp_path / "libcuda.so.1"),
                     str(source)], check=True)
     probe = ("import os, torch\n"
-             "from mgpu_helpers.devices import cuda_driver_loaded\n"
+             "from mgpu_helpers.runtime.devices import cuda_driver_loaded\n"
              "mapped = any('/libcuda.so' in line for line in open('/proc/self/maps'))\n"
              "answers = []\n"
              "for started in '01':\n"

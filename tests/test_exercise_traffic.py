@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mgpu_helpers import exercises, traffic
+from mgpu_helpers import exercises
 from mgpu_helpers.exercises import ch03, core
+from mgpu_helpers.measure import traffic
 from solutions import ch03 as solutions
 
 EXERCISES = exercises.registry()

@@ -11,10 +11,11 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from mgpu_helpers import costs, exercises, planner, strategy
+from mgpu_helpers import exercises
 from mgpu_helpers.exercises import ch14, core
 from mgpu_helpers.parallel import pipeline
 from mgpu_helpers.parallel.pipeline import timeline
+from mgpu_helpers.planning import costs, planner, strategy
 from solutions import ch14 as solutions
 
 KEYS = ("14.1", "14.2", "14.3", "14.4")
@@ -87,7 +88,7 @@ def test_every_helper_is_back_on_its_module_after_a_check_even_one_that_raised()
         for key in KEYS:
             core.evaluate(exercises.get(key), wrong)
     assert [getattr(module, name) for module, name in WATCHED] == before
-    assert planner.predict.__module__ == "mgpu_helpers.planner"
+    assert planner.predict.__module__ == "mgpu_helpers.planning.planner"
 
 
 def test_a_refusal_caught_by_the_readers_code_still_fails_the_case():

@@ -10,12 +10,13 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from mgpu_helpers import costs, lm
-from mgpu_helpers.checkpoints import RUN_FILE, check_resumable
 from mgpu_helpers.data.recall import IGNORE, RecallDataset, RecallTask
-from mgpu_helpers.gpt_recipe import GPTRun, compute_dtype, lr_factor
-from mgpu_helpers.memory import ActivationMeter
+from mgpu_helpers.measure.memory import ActivationMeter
 from mgpu_helpers.models.gpt import GPT, GPTConfig
+from mgpu_helpers.planning import costs
+from mgpu_helpers.training import lm
+from mgpu_helpers.training.checkpoints import RUN_FILE, check_resumable
+from mgpu_helpers.training.gpt_recipe import GPTRun, compute_dtype, lr_factor
 
 CONFIGS = [GPTConfig(vocab_size=32, context=16, dim=64, layers=2, heads=4),
            GPTConfig(vocab_size=50, context=24, dim=48, layers=3, heads=6, mlp_ratio=2),

@@ -1,4 +1,4 @@
-"""Chapter 10's FSDP2 recipe (mgpu_helpers.gpt_recipe, scripts/train_gpt.py): the same
+"""Chapter 10's FSDP2 recipe (mgpu_helpers.training.gpt_recipe, scripts/train_gpt.py): the same
 losses as one process, a resume equal bit for bit to the uninterrupted run, on another
 number of ranks too, and refused for another run's settings, one gradient reduction per
 step under accumulation, a gradient scaler that skips a step on every rank together, and
@@ -15,13 +15,14 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from mgpu_helpers import launch, lm
-from mgpu_helpers.checkpoints import load, save
-from mgpu_helpers.flight_recorder import collectives_so_far
-from mgpu_helpers.gpt_recipe import GPTRun, lr_factor, shard_model, train_gpt
+from mgpu_helpers import launch
 from mgpu_helpers.launcher import LaunchError
-from mgpu_helpers.ranks import rank, world_size
-from mgpu_helpers.topology import ParallelDims
+from mgpu_helpers.measure.flight_recorder import collectives_so_far
+from mgpu_helpers.runtime.ranks import rank, world_size
+from mgpu_helpers.runtime.topology import ParallelDims
+from mgpu_helpers.training import lm
+from mgpu_helpers.training.checkpoints import load, save
+from mgpu_helpers.training.gpt_recipe import GPTRun, lr_factor, shard_model, train_gpt
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "scripts" / "train_gpt.py")

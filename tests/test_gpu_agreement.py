@@ -2,7 +2,7 @@
 GPU machines (issue 32): a GPU whose CUDA cannot start is no GPU to either.
 
 The machine is simulated where the package asks it: NVML's count in this process, and
-the CUDA probe's child process, whose ``python -m mgpu_helpers._cuda_probe`` is replaced
+the CUDA probe's child process, whose ``python -m mgpu_helpers.runtime._cuda_probe`` is replaced
 by the probe's own code run here with CUDA simulated. No rank is started: launch() is
 followed up to the point where it starts ranks.
 """
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import mgpu_helpers as mh
-from mgpu_helpers import _cuda_probe, devices, env
 from mgpu_helpers.launcher import api, checks
+from mgpu_helpers.runtime import _cuda_probe, devices, env
 
 TOO_OLD = ("The NVIDIA driver on your system is too old (found version 12040). Please update "
            "your GPU driver by downloading and installing a new version from the URL: "
@@ -42,7 +42,7 @@ class Machine:
         monkeypatch.setattr(checks.dist, "is_nccl_available", lambda: True)
 
     def run_probe(self, command, **kwargs):
-        assert command[1:] == ["-m", "mgpu_helpers._cuda_probe"], command
+        assert command[1:] == ["-m", "mgpu_helpers.runtime._cuda_probe"], command
         self.probes += 1
         with pytest.MonkeyPatch.context() as child:  # what the child process would see
             child.setattr(torch.cuda, "init", self.cuda_init)

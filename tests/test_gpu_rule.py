@@ -18,8 +18,8 @@ import torch.distributed as dist
 from support.launch_sites import PLAN, all_sites, computes_on_device
 
 import mgpu_helpers as mh
-from mgpu_helpers.backend import GPU_BACKEND, backend_device_type, plan_for
 from mgpu_helpers.launcher import LaunchError, resolve_backend, resolve_nprocs
+from mgpu_helpers.runtime.backend import GPU_BACKEND, backend_device_type, plan_for
 
 GPU_COUNTS = (0, 1, 2, 8)
 SITES = all_sites()

@@ -19,9 +19,9 @@ from support.slurm_env import srun_task
 
 import mgpu_helpers as mh
 from mgpu_helpers import LaunchError, launch
-from mgpu_helpers.cluster import first_slurm_host
 from mgpu_helpers.launcher import api, checks, failure, rank_handle, rank_main, supervisor
 from mgpu_helpers.launcher.records import ErrorReport, GroupSpec, Raised, Returned
+from mgpu_helpers.runtime.cluster import first_slurm_host
 
 SCRIPTS = Path(__file__).resolve().parent / "launch_scripts"
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")

@@ -91,6 +91,55 @@ def test_tools_are_not_in_the_package():
     assert TOOLS and not [name for name in TOOLS if (PACKAGE / f"{name}.py").exists()]
 
 
+#: The rooms on each floor; a room may import its own floor's and the floors below.
+FLOORS = (("runtime",), ("launcher", "measure", "data", "models"), ("parallel",),
+          ("training",), ("planning",), ("viz",), CHAPTER_LAYERS)
+FLOOR_OF = {room: level for level, rooms in enumerate(FLOORS) for room in rooms}
+
+
+def room_of(module: str) -> str | None:
+    """The room of ``mgpu_helpers.<room>...``; None for the package's top."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in FLOOR_OF else None
+
+
+def test_every_folder_of_the_package_is_a_room_on_a_floor():
+    folders = {path.name for path in PACKAGE.iterdir()
+               if path.is_dir() and (path / "__init__.py").exists()}
+    assert folders == set(FLOOR_OF), (f"rooms without a floor: {sorted(folders - set(FLOOR_OF))}"
+                                      f"; floors without a room: {sorted(set(FLOOR_OF) - folders)}")
+
+
+def upward_imports() -> list[str]:
+    found = []
+    for name, targets in import_graph().items():
+        room = room_of(name)
+        if room is None:  # the package's top re-exports from any room
+            continue
+        for target in sorted(targets):
+            other = room_of(target)
+            if other is not None and FLOOR_OF[other] > FLOOR_OF[room] \
+                    and not (room in CHAPTER_LAYERS and other in CHAPTER_LAYERS):
+                found.append(f"{name} ({room}, floor {FLOOR_OF[room] + 1}) imports {target} "
+                             f"({other}, floor {FLOOR_OF[other] + 1})")
+    return found
+
+
+def test_no_room_imports_a_room_on_a_floor_above():
+    bad = upward_imports()
+    assert not bad, ("imports run down the floors (docs/architecture.md): "
+                     + "; ".join(bad) + ". Move the code both need down a floor")
+
+
+def test_the_floor_check_sees_an_upward_import(monkeypatch):
+    graph = {"mgpu_helpers.runtime.env": {"mgpu_helpers.training.train"},
+             "mgpu_helpers.training.train": {"mgpu_helpers.runtime.ranks"},
+             "mgpu_helpers.labs.zero": {"mgpu_helpers.exercises.core"}}
+    monkeypatch.setitem(globals(), "import_graph", lambda: graph)
+    assert upward_imports() == ["mgpu_helpers.runtime.env (runtime, floor 1) imports "
+                                "mgpu_helpers.training.train (training, floor 4)"]
+
+
 def test_every_launcher_part_is_short():
     lengths = {path.name: len(path.read_text().splitlines())
                for path in (PACKAGE / "launcher").glob("*.py")}
@@ -155,8 +204,8 @@ def test_no_module_of_the_package_imports_itself_back_through_others():
 
 # ---------------------------------------------------------------- private names
 
-PRIVATE_HOME = PACKAGE / "private_apis.py"
-#: Private PyTorch and Python names, reached only through mgpu_helpers/private_apis.py.
+PRIVATE_HOME = PACKAGE / "runtime" / "private_apis.py"
+#: Private PyTorch and Python names, reached only through mgpu_helpers/runtime/private_apis.py.
 PRIVATE_NAMES = {"_device_count_nvml", "_is_in_bad_fork", "_dump_fr_trace", "_dump_nccl_trace",
                  "_get_ddp_logging_data", "_EventType", "_exit_function", "kineto_results",
                  "experimental_event_tree"}
@@ -212,7 +261,7 @@ def test_private_torch_and_python_names_are_reached_only_from_private_apis():
              for path, source in sources_outside_the_private_home()
              if (used := private_uses(source))}
     assert not users, (f"{users} reach private PyTorch or Python names directly: call the "
-                       "guarded function of mgpu_helpers/private_apis.py instead (add one "
+                       "guarded function of mgpu_helpers/runtime/private_apis.py instead (add one "
                        "there, saying why no public route exists)")
 
 

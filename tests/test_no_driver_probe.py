@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from mgpu_helpers import devices
-from mgpu_helpers.devices import CudaProbe, no_driver_answer
+from mgpu_helpers.runtime import devices
+from mgpu_helpers.runtime.devices import CudaProbe, no_driver_answer
 
 
 def test_the_shortcut_gives_the_childs_answer():
@@ -18,7 +18,7 @@ def test_the_shortcut_gives_the_childs_answer():
     if known is None:
         pytest.skip("this machine has an NVIDIA device node (or no CUDA build): the child "
                     "is asked, as the other probe tests check")
-    child = subprocess.run([sys.executable, "-m", "mgpu_helpers._cuda_probe"],
+    child = subprocess.run([sys.executable, "-m", "mgpu_helpers.runtime._cuda_probe"],
                            capture_output=True, text=True, timeout=120, check=True)
     asked = CudaProbe.from_json(child.stdout)
     assert (known.gpus, known.cuda_error, known.cudnn_version, known.nccl_version) == (

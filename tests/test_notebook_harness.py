@@ -91,7 +91,8 @@ def execute(path: Path, *sources: str) -> tuple[subprocess.CompletedProcess, lis
 WIDGET_BAR = ("import time\nfrom tqdm.auto import tqdm\n"
               "for _ in tqdm(range(20), desc='work', unit='step'):\n    time.sleep(0.02)\n"
               "print('done')")
-RANK_BAR = ("from mgpu_helpers import launch\nfrom mgpu_helpers.progress import progress_bar"
+RANK_BAR = ("from mgpu_helpers import launch\n"
+            "from mgpu_helpers.runtime.progress import progress_bar"
             "\n\ndef work():\n    for _ in progress_bar(range(3), desc='rank work', "
             "unit='step'):\n        pass\n\n"
             "launch(work, nprocs=1, start_method='fork')\nprint('done')")

@@ -9,9 +9,9 @@ from torch import nn
 
 from mgpu_helpers import LaunchError, launch, rank, world_size
 from mgpu_helpers.labs import gpipe
-from mgpu_helpers.memory import ActivationMeter
+from mgpu_helpers.measure.memory import ActivationMeter
 from mgpu_helpers.parallel import pipeline as pp
-from mgpu_helpers.viz import plot_timeline
+from mgpu_helpers.viz.plots import plot_timeline
 
 matplotlib.use("Agg")
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")

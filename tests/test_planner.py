@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from mgpu_helpers import costs, planner, strategy
-from mgpu_helpers.memory import ActivationMeter
+from mgpu_helpers.measure.memory import ActivationMeter
 from mgpu_helpers.models.gpt import GPT, GPTConfig
 from mgpu_helpers.parallel.pipeline import theoretical_bubble
-from mgpu_helpers.planner import Cluster, Model, Plan
+from mgpu_helpers.planning import costs, planner, strategy
+from mgpu_helpers.planning.planner import Cluster, Model, Plan
 
 GPT_SIZES = GPTConfig(vocab_size=48, context=16, dim=32, layers=4, heads=4)
 FLOAT32 = costs.Precision("float32", 4, 4, 8)
@@ -252,7 +252,7 @@ def test_the_best_plan_fits_and_is_fastest():
 
 
 def test_the_calculators_settings_make_the_plan_or_say_why_not():
-    from mgpu_helpers import planner_calculator
+    from mgpu_helpers.viz import calculator as planner_calculator
 
     settings = dict(model="Llama 3 70B", nodes=8, tp=8, pp=1, cp=1, zero=3, micro_batch=1,
                     global_batch=256, length=4096, checkpointing=False)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mgpu_helpers import precision
-from mgpu_helpers.precision import AmpChoice, amp_dtype, auto_amp, cpu_bfloat16
+from mgpu_helpers.runtime import precision
+from mgpu_helpers.runtime.precision import AmpChoice, amp_dtype, auto_amp, cpu_bfloat16
 
 AVX2_LAPTOP = {"architecture": "x86_64", "avx2": True, "avx512_f": False,
                "avx512_bf16": False, "amx_bf16": False}

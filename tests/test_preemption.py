@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 import mgpu_helpers as mh
-from mgpu_helpers import recipe
-from mgpu_helpers.preemption import PreemptionNotice, requeue_job
-from mgpu_helpers.recipe import DigitsRun, train_digits
-from mgpu_helpers.train import train_one_epoch
+from mgpu_helpers.training import recipe
+from mgpu_helpers.training.preemption import PreemptionNotice, requeue_job
+from mgpu_helpers.training.recipe import DigitsRun, train_digits
+from mgpu_helpers.training.train import train_one_epoch
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mgpu_helpers import launch
-from mgpu_helpers.recipe import DigitsRun, train_digits
+from mgpu_helpers.training.recipe import DigitsRun, train_digits
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -77,7 +77,7 @@ def test_accumulation_and_bfloat16_run_end_to_end(digits_ready):
 
 
 def test_limited_runs_train_on_every_class(digits_ready):
-    from mgpu_helpers.recipe import digits_datasets
+    from mgpu_helpers.training.recipe import digits_datasets
     train_set, _ = digits_datasets(DigitsRun(limit=100, augment=False))
     labels = {train_set[i][1] for i in range(len(train_set))}
     assert len(train_set) == 100 and labels == set(range(10))

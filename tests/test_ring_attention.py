@@ -101,7 +101,7 @@ def _ring_bytes():
 def test_the_planner_prices_the_chapters_ring_as_the_chapter_counts_it():
     # chapter 12's ring on 4 ranks: batch 2, 3 heads of 8, 32 tokens, float32; its
     # collectives counted at the dispatcher (comm_log), forward and backward
-    from mgpu_helpers import costs, planner
+    from mgpu_helpers.planning import costs, planner
 
     (forward, backward), block = mh.launch(_ring_bytes, nprocs=4, backend="gloo")
     model = planner.Model("ring", layers=1, dim=24, heads=3, ffn=8, vocab=8)

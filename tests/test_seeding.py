@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from mgpu_helpers.seeding import seed_everything
+from mgpu_helpers.training.seeding import seed_everything
 
 
 def draw():

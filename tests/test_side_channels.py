@@ -1,4 +1,4 @@
-"""mgpu_helpers.traffic.side_channels: the ways ranks on one machine can pass data outside
+"""mgpu_helpers.measure.traffic.side_channels: the ways ranks on one machine can pass data outside
 sockets (a file, shared memory made or inherited), seen while a block runs; reading a
 file or shared memory is no message."""
 
@@ -19,7 +19,7 @@ KEPT = []
 def _attempts(folder):
     import torch.distributed as dist
 
-    from mgpu_helpers.traffic import side_channels
+    from mgpu_helpers.measure.traffic import side_channels
 
     rank = dist.get_rank()
     attempts = {

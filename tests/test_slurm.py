@@ -17,7 +17,7 @@ from support import slurm_jobs
 from support.slurm_env import batch_allocation, salloc_shell, srun_task
 from support.slurm_jobs import ENDED, ROOT, run, submit, wait_for_end, wait_until
 
-from mgpu_helpers.cluster import cluster_environment
+from mgpu_helpers.runtime.cluster import cluster_environment
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_processes")]
 

@@ -8,10 +8,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 from matplotlib.patches import FancyArrowPatch  # noqa: E402
 
-from mgpu_helpers import costs, strategy  # noqa: E402
-from mgpu_helpers.costs import PYTORCH  # noqa: E402
 from mgpu_helpers.models.gpt import GPTConfig  # noqa: E402
-from mgpu_helpers.strategy import Strategy  # noqa: E402
+from mgpu_helpers.planning import costs, strategy  # noqa: E402
+from mgpu_helpers.planning.costs import PYTORCH  # noqa: E402
+from mgpu_helpers.planning.strategy import Strategy  # noqa: E402
 
 # A toy model small enough to count by hand: h = 8, 2 blocks, 2 heads, r = 4.
 TOY = GPTConfig(vocab_size=10, context=4, dim=8, layers=2, heads=2)

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from mgpu_helpers import launch, rank
-from mgpu_helpers.sync_batchnorm import CpuSyncBatchNorm, convert_sync_batchnorm
+from mgpu_helpers.training.sync_batchnorm import CpuSyncBatchNorm, convert_sync_batchnorm
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 

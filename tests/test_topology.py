@@ -1,10 +1,10 @@
-"""The arrangement of ranks (mgpu_helpers.topology.ParallelDims): sizes checked, axes
+"""The arrangement of ranks (mgpu_helpers.runtime.topology.ParallelDims): sizes checked, axes
 named, coordinates equal to the DeviceMesh's own."""
 
 import pytest
 
 from mgpu_helpers import launch
-from mgpu_helpers.topology import AXES, ParallelDims
+from mgpu_helpers.runtime.topology import AXES, ParallelDims
 
 
 def test_the_sizes_multiply_to_the_world_and_unused_axes_are_left_out():

@@ -122,8 +122,8 @@ def test_in_place_the_group_and_ddp_are_freed_before_the_function_returns(monkey
     # (freed at shutdown, a worker thread aborted the process in 2 torchrun runs of 40).
     import socket
 
-    from mgpu_helpers.cluster import ClusterRank
     from mgpu_helpers.launcher.in_place import run_in_this_process
+    from mgpu_helpers.runtime.cluster import ClusterRank
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

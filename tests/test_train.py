@@ -12,7 +12,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from mgpu_helpers import launch
-from mgpu_helpers.train import Metrics, evaluate, load_checkpoint, save_checkpoint, train_one_epoch
+from mgpu_helpers.training.train import (
+    Metrics,
+    evaluate,
+    load_checkpoint,
+    save_checkpoint,
+    train_one_epoch,
+)
 
 
 def toy_data(n=64, seed=0):

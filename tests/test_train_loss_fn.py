@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from mgpu_helpers import launch
-from mgpu_helpers.train import (
+from mgpu_helpers.training.train import (
     BatchLoss,
     Metrics,
     classification_loss,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mgpu_helpers.visible_devices import parse_cuda_visible_devices
+from mgpu_helpers.runtime.visible_devices import parse_cuda_visible_devices
 
 
 @pytest.mark.parametrize(

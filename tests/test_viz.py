@@ -10,7 +10,7 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 from torchvision.transforms.v2 import functional as TF  # noqa: E402
 
-from mgpu_helpers import viz  # noqa: E402
+from mgpu_helpers.viz import plots  # noqa: E402
 
 NEUTRAL = {"rotation": 0.0, "brightness": 1.0, "contrast": 1.0, "saturation": 1.0,
            "flip": False, "crop_scale": 1.0}
@@ -23,20 +23,20 @@ def picture():
 
 
 def test_neutral_settings_leave_the_image_unchanged(picture):
-    out = viz.explorer_transform(**NEUTRAL)(picture)
+    out = plots.explorer_transform(**NEUTRAL)(picture)
     assert torch.equal(TF.pil_to_tensor(out), TF.pil_to_tensor(picture))
 
 
 def test_flip_and_crop_do_what_they_say(picture):
-    flipped = viz.explorer_transform(**{**NEUTRAL, "flip": True})(picture)
+    flipped = plots.explorer_transform(**{**NEUTRAL, "flip": True})(picture)
     assert torch.equal(TF.pil_to_tensor(flipped), TF.pil_to_tensor(picture).flip(-1))
-    cropped = viz.explorer_transform(**{**NEUTRAL, "crop_scale": 0.25})(picture)
+    cropped = plots.explorer_transform(**{**NEUTRAL, "crop_scale": 0.25})(picture)
     assert cropped.size == picture.size
     assert not torch.equal(TF.pil_to_tensor(cropped), TF.pil_to_tensor(picture))
 
 
 def test_show_images_draws_one_axis_per_image_and_titles(picture):
-    fig = viz.show_images([picture, TF.pil_to_tensor(picture)], ["a", "b"], ncols=4)
+    fig = plots.show_images([picture, TF.pil_to_tensor(picture)], ["a", "b"], ncols=4)
     titled = [ax.get_title() for ax in fig.axes if ax.images]
     assert titled == ["a", "b"]
     plt.close(fig)
@@ -44,12 +44,12 @@ def test_show_images_draws_one_axis_per_image_and_titles(picture):
 
 def test_show_images_needs_images():
     with pytest.raises(ValueError, match="at least one image"):
-        viz.show_images([])
+        plots.show_images([])
 
 
 def test_augmentation_grid_is_reproducible(picture):
     def draw(seed):
-        fig = viz.augmentation_grid(picture, lambda img: TF.rotate(
+        fig = plots.augmentation_grid(picture, lambda img: TF.rotate(
             img, float(torch.empty(1).uniform_(-90, 90))), draws=3, seed=seed)
         arrays = [ax.images[0].get_array().tolist() for ax in fig.axes if ax.images]
         plt.close(fig)
@@ -60,14 +60,14 @@ def test_augmentation_grid_is_reproducible(picture):
 
 
 def test_presets_grid_has_original_and_every_preset():
-    fig = viz.explorer_presets(Image.new("RGB", (8, 8), "red"))
-    assert [ax.get_title() for ax in fig.axes] == ["original", *viz.EXPLORER_PRESETS]
+    fig = plots.explorer_presets(Image.new("RGB", (8, 8), "red"))
+    assert [ax.get_title() for ax in fig.axes] == ["original", *plots.EXPLORER_PRESETS]
     plt.close(fig)
 
 
 def test_sampler_partitions_marks_each_padded_duplicate():
     orders = {0: [[4, 1, 0], [2, 3, 4]], 1: [[0, 2, 4], [1, 3, 0]]}
-    fig = viz.sampler_partitions(orders, 5, "t")
+    fig = plots.sampler_partitions(orders, 5, "t")
     ax = fig.axes[0]
     assert len(ax.patches) == 12
     assert len(ax.lines) == 2  # one duplicate per epoch

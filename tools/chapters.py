@@ -492,7 +492,7 @@ def write_landing(notebooks_dir: Path, out_path: Path, report_text: str | None =
         from mgpu_helpers.exercises import chapter_progress
         progress = chapter_progress()
     if report_text is None:
-        from mgpu_helpers.env import describe
+        from mgpu_helpers.runtime.env import describe
         report_text = str(describe())
     chapters = read_chapters(notebooks_dir)
     machines = sorted({c.run_time_machine for c in chapters if c.run_time_machine})
@@ -514,7 +514,7 @@ def _stamp_run_time(metadata: dict, seconds: float) -> None:
 
 def machine_description() -> str:
     """``2 CPUs, x86_64, no GPU``: where a run time was measured."""
-    from mgpu_helpers.devices import count_gpus
+    from mgpu_helpers.runtime.devices import count_gpus
     gpus = count_gpus()
     gpu_text = "no GPU" if gpus == 0 else f"{gpus} GPU{'s' if gpus > 1 else ''}"
     return f"{os.cpu_count()} CPUs, {platform.machine()}, {gpu_text}"

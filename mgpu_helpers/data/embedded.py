@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from ..paths import CLONE
-from ..progress import progress_bar
+from ..runtime.paths import CLONE
+from ..runtime.progress import progress_bar
 
 try:
     import fcntl

@@ -57,7 +57,7 @@ def rank_seed(seed: int, rank: int) -> int:
     """A seed for ``rank`` derived from the run's ``seed``: ``seed`` itself for rank 0, and a
     different one for every other rank.
 
-    Pass it to :func:`mgpu_helpers.seeding.seed_everything` inside each rank: with
+    Pass it to :func:`mgpu_helpers.training.seeding.seed_everything` inside each rank: with
     ``num_workers=0``, augmentation draws from the rank's own global generators, and ranks
     seeded alike would apply identical augmentations. :func:`loader_generator` uses the same
     derivation for the loader's generator (the workers' seeds).

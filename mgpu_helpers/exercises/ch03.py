@@ -4,7 +4,7 @@ Each case draws its inputs afresh on every rank (whole numbers from ``os.urandom
 code can know another rank's values without a message, and every order of adding them
 gives the same float sum); the expected result is reduced by the checker after the
 reader's function has returned, so no sum exists in a rank while it runs. What a rank
-sends is counted by :func:`mgpu_helpers.traffic.traffic_measured`: in Python, where every
+sends is counted by :func:`mgpu_helpers.measure.traffic.traffic_measured`: in Python, where every
 ``send`` passes (the process group's and the backend's), for the per-peer rule, the
 rings' least and most traffic and, in 03.1 (two rings that turn opposite ways), the
 order of the messages to the two neighbours; and, on Linux, by the kernel on the
@@ -12,7 +12,7 @@ process's sockets, which no call can bypass: bytes on the rendezvous store's soc
 on a socket opened during the call are refused, and the backend's sockets may carry no
 more than the counted messages and gloo's headers (gloo's flight recorder keeps the
 collectives only, no entry for a send or a receive). Files written and shared memory
-made or written during the call (:func:`mgpu_helpers.traffic.side_channels`) are refused
+made or written during the call (:func:`mgpu_helpers.measure.traffic.side_channels`) are refused
 too. Off Linux the kernel's and /proc's counts are missing and the rest decide."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..flight_recorder import collectives_so_far
-from ..traffic import traffic_measured
+from ..measure.flight_recorder import collectives_so_far
+from ..measure.traffic import traffic_measured
 from .core import Case, Exercise, as_number, beyond, count
 
 _INPUT_BOUND = 2 ** 20  # sums of 4 ranks stay below 2**24: exact in float32

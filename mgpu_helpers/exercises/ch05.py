@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..flight_recorder import collectives_so_far
+from ..measure.flight_recorder import collectives_so_far
 from .core import Case, Exercise, beyond, calls_during, count, largest_abs, shared_fresh_seed
 
 # ---------------------------------------------------------------- 05.1 float16 hook

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..flight_recorder import collectives_so_far
+from ..measure.flight_recorder import collectives_so_far
 from .core import Case, Exercise, as_number, beyond, calls_during, largest_abs, shared_fresh_seed
 
 # ---------------------------------------------------------------- 07.1 ZeRO-1

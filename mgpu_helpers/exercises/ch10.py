@@ -11,13 +11,14 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Replicate, Shard
 
-from .. import costs, gpt_recipe
 from ..data.recall import RecallTask
-from ..flight_recorder import collectives_so_far
-from ..lm import lm_loss, model_for, rank_rows, step_batch
-from ..memory import ActivationMeter
+from ..measure.flight_recorder import collectives_so_far
+from ..measure.memory import ActivationMeter
 from ..models.gpt import Block, GPTConfig
-from ..topology import ParallelDims
+from ..planning import costs
+from ..runtime.topology import ParallelDims
+from ..training import gpt_recipe
+from ..training.lm import lm_loss, model_for, rank_rows, step_batch
 from .core import Case, Exercise, as_number, calls_during
 
 
@@ -104,8 +105,9 @@ def _shard_trial(fn, replicate: int):
     task = RecallTask()
     model = model_for(task, dim=32, layers=3, heads=2)
     mesh = ParallelDims(dp=replicate, fsdp=world // replicate).build_mesh("cpu")
-    _, called = calls_during({gpt_recipe.shard_model: "mgpu_helpers.gpt_recipe.shard_model"},
-                             fn, model, mesh)
+    _, called = calls_during(
+        {gpt_recipe.shard_model: "mgpu_helpers.training.gpt_recipe.shard_model"},
+        fn, model, mesh)
     placements = sorted({tuple(p.placements) for p in model.parameters()
                          if hasattr(p, "placements")}, key=str)
     units = [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]

@@ -12,9 +12,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..flight_recorder import collectives_so_far
 from ..labs.comm_log import CollectivesLogged
-from ..traffic import sends_counted
+from ..measure.flight_recorder import collectives_so_far
+from ..measure.traffic import sends_counted
 from .core import Case, Exercise, largest_abs, shared_fresh_seed
 
 # ------------------------------------------------------- 11.1 vocabulary-parallel argmax

@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..labs.comm_log import CollectivesLogged
-from ..traffic import sends_counted
+from ..measure.traffic import sends_counted
 from .core import Case, Exercise, largest_abs, shared_fresh_seed
 
 # --------------------------------------------------------- 12.1 merging two partials

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..labs.comm_log import CollectivesLogged
-from ..traffic import sends_counted, traffic_measured
+from ..measure.traffic import sends_counted, traffic_measured
 from .core import Case, Exercise, largest_abs
 
 # ------------------------------------------------------------------- 13.1 dispatch

@@ -5,8 +5,8 @@ formula itself and, where the number is wrong, names the term that is. No ranks:
 case runs in this process.
 
 While the reader's function runs, the planner and what it is built from (the public
-functions of :mod:`mgpu_helpers.planner`, :mod:`mgpu_helpers.strategy`,
-:mod:`mgpu_helpers.costs` and the pipeline's bubble formulas) refuse to run: wherever a
+functions of :mod:`mgpu_helpers.planning.planner`, :mod:`mgpu_helpers.planning.strategy`,
+:mod:`mgpu_helpers.planning.costs` and the pipeline's bubble formulas) refuse to run: wherever a
 module of this package holds one, it is replaced for the call by a function that raises
 :class:`HelperRefused`, and put back after, whatever happened. One imported before the
 check under another name is still recognised by its code (:func:`core.calls_during`).
@@ -29,8 +29,8 @@ from .core import Case, Exercise, as_number, beyond, calls_during
 GB = 10**9
 RULE = "compute it from the formula; the planner is what you are checking"
 #: Where the functions that would do the work live.
-_HOMES = ("mgpu_helpers.planner", "mgpu_helpers.strategy", "mgpu_helpers.costs",
-          "mgpu_helpers.parallel.pipeline.timeline")
+_HOMES = ("mgpu_helpers.planning.planner", "mgpu_helpers.planning.strategy",
+          "mgpu_helpers.planning.costs", "mgpu_helpers.parallel.pipeline.timeline")
 
 
 class HelperRefused(RuntimeError):
@@ -45,7 +45,9 @@ def _helpers() -> dict[Callable, str]:
         for name, value in vars(module).items():
             if (inspect.isfunction(value) and value.__module__ == home
                     and not name.startswith("_")):
-                found[value] = f"{home.removeprefix('mgpu_helpers.')}.{name}"
+                # as the chapter imports them: planner.x (from mgpu_helpers.planning)
+                shown = home.removeprefix("mgpu_helpers.planning.").removeprefix("mgpu_helpers.")
+                found[value] = f"{shown}.{name}"
     return found
 
 

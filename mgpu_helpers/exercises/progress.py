@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from ..paths import RUNS, in_clone
+from ..runtime.paths import RUNS, in_clone
 
 
 def progress_file() -> Path:

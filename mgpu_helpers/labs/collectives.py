@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..ranks import device
+from ..runtime.ranks import device
 
 #: 64 B to 64 MiB in steps of 4x: where the fixed cost dominates, and where bytes do.
 SIZES = tuple(64 * 4 ** k for k in range(11))

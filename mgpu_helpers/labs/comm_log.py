@@ -24,7 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..costs import ring_bytes_sent  # noqa: F401  (chapter 11-13 import it from here)
+from ..planning.costs import ring_bytes_sent  # noqa: F401  (chapter 11-13 import it from here)
 
 # operator name (without namespace and trailing underscores) -> kind
 _KINDS = {

@@ -71,7 +71,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..ranks import rank, world_size
+from ..runtime.ranks import rank, world_size
 
 BACKENDS = ("aot_eager", "inductor")
 WIDTHS = (256, 1024, 256, 1024)  # 3 bias-free layers of 256 x 1024 floats: 1 MiB each

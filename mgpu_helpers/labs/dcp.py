@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..ranks import rank, world_size
+from ..runtime.ranks import rank, world_size
 
 GLOBAL_BATCH = 32
 

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..models import SeedCNN
-from ..ranks import device, rank, world_size
+from ..runtime.ranks import device, rank, world_size
 from .native_stderr import native_stderr_silenced
 
 

@@ -18,7 +18,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..memory import ActivationMeter
+from ..measure.memory import ActivationMeter
 from .memory import held_by_kind, record_bucket_buffers, storages
 
 
@@ -32,7 +32,7 @@ class StepMeter:
         optimizer: the model's optimizer (``ZeroRedundancyOptimizer`` counts its own
             share of the state only).
         activations: also measure the peak bytes autograd keeps for the backward pass
-            (:class:`~mgpu_helpers.memory.ActivationMeter`, the parameters excluded).
+            (:class:`~mgpu_helpers.measure.memory.ActivationMeter`, the parameters excluded).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer, activations: bool = False):

@@ -27,9 +27,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..flight_recorder import collectives_so_far
-from ..private_apis import is_allocation, profiler_event_tree
-from ..ranks import rank, world_size
+from ..measure.flight_recorder import collectives_so_far
+from ..runtime.private_apis import is_allocation, profiler_event_tree
+from ..runtime.ranks import rank, world_size
 from .collectives import collective_call
 from .native_stderr import native_stderr_silenced
 

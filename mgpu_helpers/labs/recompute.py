@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..memory import ActivationMeter
+from ..measure.memory import ActivationMeter
 from ..models import SeedCNN
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..recipe import DigitsRun, digits_datasets
+from ..training.recipe import DigitsRun, digits_datasets
 
 
 @dataclass(frozen=True)

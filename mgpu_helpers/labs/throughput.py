@@ -20,11 +20,11 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from ..data import ImageDataset, loader_generator, prepare_digits, seed_worker
 from ..models import SeedCNN
-from ..precision import AMP_CHOICES, amp_dtype
-from ..ranks import device as rank_device
-from ..ranks import rank, world_size
-from ..recipe import AUGMENT, spread_subset
-from ..train import classification_loss, train_one_epoch
+from ..runtime.precision import AMP_CHOICES, amp_dtype
+from ..runtime.ranks import device as rank_device
+from ..runtime.ranks import rank, world_size
+from ..training.recipe import AUGMENT, spread_subset
+from ..training.train import classification_loss, train_one_epoch
 
 
 def _keep_local_gradients(state, bucket):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..flight_recorder import collectives_so_far
+from ..measure.flight_recorder import collectives_so_far
 from .memory import collectives_volume
 
 # the single-tensor collectives, under the names this PyTorch has (recent releases renamed

@@ -12,8 +12,8 @@ import sys
 
 import cloudpickle
 
-from ..cluster import ClusterEnvironmentError, cluster_environment
-from ..devices import count_gpus, gpu_count
+from ..runtime.cluster import ClusterEnvironmentError, cluster_environment
+from ..runtime.devices import count_gpus, gpu_count
 from .checks import (
     check_callable,
     check_count,

@@ -8,9 +8,9 @@ import sys
 
 import torch.distributed as dist
 
-from ..backend import auto_backend, backend_device_type
-from ..devices import cuda_driver_loaded
-from ..ranks import INSIDE_RANK_VAR
+from ..runtime.backend import auto_backend, backend_device_type
+from ..runtime.devices import cuda_driver_loaded
+from ..runtime.ranks import INSIDE_RANK_VAR
 from .failure import LaunchError
 
 BACKENDS = ("auto", "gloo", "nccl", "cpu:gloo,cuda:nccl")

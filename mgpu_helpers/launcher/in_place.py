@@ -10,11 +10,11 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..backend import backend_device_type
-from ..cluster import ClusterRank, elastic_store
-from ..devices import count_gpus, gpu_count
-from ..group_reuse import reusing_launched_group
-from ..ranks import gpu_index
+from ..runtime.backend import backend_device_type
+from ..runtime.cluster import ClusterRank, elastic_store
+from ..runtime.devices import count_gpus, gpu_count
+from ..runtime.group_reuse import reusing_launched_group
+from ..runtime.ranks import gpu_index
 from .checks import resolve_backend
 from .rank_exit import finish_group
 

@@ -8,7 +8,7 @@ import traceback
 
 import torch.distributed as dist
 
-from ..private_apis import join_non_daemon_threads, run_multiprocessing_finalizers
+from ..runtime.private_apis import join_non_daemon_threads, run_multiprocessing_finalizers
 from .streams import flush_all_streams
 
 # A launched rank's process ends right after its group, with os._exit (see end_rank).

@@ -17,10 +17,10 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from ..backend import backend_device_type
-from ..group_reuse import reusing_launched_group
-from ..private_apis import cuda_in_bad_fork
-from ..ranks import INSIDE_RANK_VAR, RESTART_COUNT_VAR
+from ..runtime.backend import backend_device_type
+from ..runtime.group_reuse import reusing_launched_group
+from ..runtime.private_apis import cuda_in_bad_fork
+from ..runtime.ranks import INSIDE_RANK_VAR, RESTART_COUNT_VAR
 from .rank_exit import end_rank, finish_group
 from .records import ErrorReport, GroupSpec, Raised, Returned
 

@@ -5,7 +5,7 @@ import json
 import os
 
 import mgpu_helpers as mh
-from mgpu_helpers.cluster import cluster_environment
+from mgpu_helpers.runtime.cluster import cluster_environment
 
 
 def where_am_i():

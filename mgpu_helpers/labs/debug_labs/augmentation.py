@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
 
 from ...data.loading import loader_generator, seed_worker
-from ...ranks import rank, world_size
+from ...runtime.ranks import rank, world_size
 from ..augmentation_seeds import RandomAngles
 
 

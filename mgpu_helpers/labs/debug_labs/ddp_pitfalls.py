@@ -18,8 +18,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ...flight_recorder import collectives_so_far
-from ...private_apis import ddp_logging_data
+from ...measure.flight_recorder import collectives_so_far
+from ...runtime.private_apis import ddp_logging_data
 
 
 class TwoHeads(nn.Module):

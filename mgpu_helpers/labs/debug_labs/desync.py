@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ...ranks import rank
+from ...runtime.ranks import rank
 
 
 def lab_mismatched_shapes(fixed: bool = False) -> list:

@@ -3,7 +3,7 @@ from dumps to find the collective where the ranks diverged.
 
 :func:`lab_flight_recorder` hangs Lab 2's mismatched collectives and has each rank dump
 its record meanwhile; :func:`flight_records` reads the dumps back. Counting a piece of
-code's collectives in a running rank is :mod:`mgpu_helpers.flight_recorder`'s job; this
+code's collectives in a running rank is :mod:`mgpu_helpers.measure.flight_recorder`'s job; this
 module reads the whole dump, the form the recorder writes on a timeout.
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ...private_apis import flight_recorder_dump
-from ...ranks import rank
+from ...runtime.private_apis import flight_recorder_dump
+from ...runtime.ranks import rank
 from .desync import lab_mismatched_order
 
 

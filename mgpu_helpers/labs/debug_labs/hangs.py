@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ...ranks import rank
+from ...runtime.ranks import rank
 
 BUSY_SECONDS = 60  # how long a "busy" rank would stay away: far beyond every timeout
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from ...ranks import rank, world_size
+from ...runtime.ranks import rank, world_size
 
 
 def replicas_agree(model: nn.Module) -> bool:

@@ -19,7 +19,7 @@ builds its understanding on these pieces, one module per job:
   activations' shape, the activations, their gradients) and :func:`message_tag`, which
   tells them apart where two ranks share several cuts;
 * :mod:`.timeline`: :class:`Timeline` records when each rank computed what, for a Gantt
-  chart (:func:`mgpu_helpers.viz.plot_timeline`) and the measured idle share
+  chart (:func:`mgpu_helpers.viz.plots.plot_timeline`) and the measured idle share
   (:func:`bubble_fraction`, also with :func:`instant_transfers`), how long each pass
   started after its input existed (:func:`input_waits`), compared with the
   theory (:func:`theoretical_bubble`: (K-1)/(v·M+K-1) of the step, which is GPipe's

@@ -91,7 +91,7 @@ def probe_cuda(timeout: float = PROBE_TIMEOUT_S) -> CudaProbe:
     known = no_driver_answer()
     if known is not None:  # nothing for the child to find: spare its start (2 s of CPU)
         return known
-    command = [sys.executable, "-m", "mgpu_helpers._cuda_probe"]
+    command = [sys.executable, "-m", "mgpu_helpers.runtime._cuda_probe"]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -43,7 +43,7 @@ def _find(owner, path: str, what: str, python: bool = False):
         f"{getattr(owner, '__name__', type(owner).__name__)}.{path} is missing in {release}. "
         f"The workbook uses it to {what}; it is private and this release changed it. Use a "
         "checked release (requirements/constraints.txt pins one), or update "
-        "mgpu_helpers/private_apis.py for this one.")
+        "mgpu_helpers/runtime/private_apis.py for this one.")
 
 
 # ------------------------------------------------------------------ CUDA, no init

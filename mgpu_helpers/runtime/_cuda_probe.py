@@ -1,6 +1,6 @@
 """Ask CUDA about the GPUs, in a child process, and print the answer as JSON.
 
-Run as ``python -m mgpu_helpers._cuda_probe``. It lives in its own process because
+Run as ``python -m mgpu_helpers.runtime._cuda_probe``. It lives in its own process because
 asking CUDA about its devices (their names, memory and capability; the device count
 too, where NVML cannot answer it) initialises the driver, and a process whose driver is
 initialised cannot safely fork: later chapters fork training ranks from

@@ -15,7 +15,7 @@
   compiled (``torch.compile``, one graph per block);
 * gradient accumulation: ``set_requires_gradient_sync(False)`` on all but the last
   micro-batch of a step, so the gradients are reduced once per step;
-* a distributed checkpoint every ``save_every`` steps (:mod:`mgpu_helpers.checkpoints`);
+* a distributed checkpoint every ``save_every`` steps (:mod:`mgpu_helpers.training.checkpoints`);
   a run started again with the same settings resumes from the newest one and continues
   exactly as the uninterrupted run (the data of a step is a function of the step), on
   the same or another number of ranks.
@@ -32,13 +32,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from ..data.recall import RecallTask
+from ..runtime.precision import amp_dtype_for
+from ..runtime.ranks import device as rank_device
+from ..runtime.ranks import print0, rank, world_size
+from ..runtime.topology import ParallelDims
 from .checkpoints import load, newest_to_resume, save, state_digest
-from .data.recall import RecallTask
 from .lm import HELD_OUT_SEED, exact_match, lm_loss, model_for, rank_rows, step_batch
-from .precision import amp_dtype_for
-from .ranks import device as rank_device
-from .ranks import print0, rank, world_size
-from .topology import ParallelDims
 
 PRECISIONS = ("auto", "float32", "bfloat16", "float16")
 CHOICES = ("none", "block")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 #: The clone's top folder.
-CLONE = Path(__file__).resolve().parent.parent
+CLONE = Path(__file__).resolve().parents[2]
 #: The benchmarks' stored reference runs (``make bench-store`` writes them).
 RESULTS = CLONE / "benchmarks" / "results"
 #: What runs write: traces, progress, logs (git-ignored).

@@ -3,8 +3,8 @@
 The appendix ``appendix_strategy_map.ipynb`` draws :data:`STEPS` as a flowchart
 (:func:`draw_map`) and budgets the memory of a GPT-shaped model per GPU under each
 strategy (:func:`memory_budget`). The budgets reuse the workbook's formulas: the
-parameters and the activations of :mod:`mgpu_helpers.costs` (chapter 10), and
-:func:`~mgpu_helpers.costs.training_state_bytes` for what each ZeRO stage shards
+parameters and the activations of :mod:`mgpu_helpers.planning.costs` (chapter 10), and
+:func:`~mgpu_helpers.planning.costs.training_state_bytes` for what each ZeRO stage shards
 (chapter 07). Three things they lack are added here, each tested against a count by hand:
 
 * what a rank keeps of a block's activations under tensor parallelism with sequence
@@ -15,10 +15,10 @@ parameters and the activations of :mod:`mgpu_helpers.costs` (chapter 10), and
 * FSDP's working set: the weights it gathers and the gradient it reduces, a block at a
   time (:func:`memory_budget`).
 
-Bytes per parameter follow a :class:`~mgpu_helpers.costs.Precision` (the layouts live in
-:mod:`~mgpu_helpers.costs`, shared with chapter 14's planner): by default the ZeRO paper's
+Bytes per parameter follow a :class:`~mgpu_helpers.planning.costs.Precision` (the layouts live in
+:mod:`~mgpu_helpers.planning.costs`, shared with chapter 14's planner): by default the ZeRO paper's
 mixed precision, bfloat16 weights and gradients (2 + 2) and float32 master weights with
-Adam's two moments (12); :data:`~mgpu_helpers.costs.PYTORCH` is PyTorch's own way
+Adam's two moments (12); :data:`~mgpu_helpers.planning.costs.PYTORCH` is PyTorch's own way
 (float32 state, bfloat16 copies for the matrix products). A ZeRO stage divides what it
 shards by the data-parallel ranks.
 """
@@ -28,9 +28,9 @@ from __future__ import annotations
 import textwrap
 from dataclasses import dataclass
 
+from ..models.gpt import GPTConfig
 from . import costs
 from .costs import MIXED, Precision, ceil_div
-from .models.gpt import GPTConfig
 
 GB = 10**9
 #: An H100's memory as its data sheet states it (80 GB), counted as 80 x 10^9 bytes.

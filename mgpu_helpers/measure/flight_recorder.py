@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pickle
 
-from .private_apis import flight_recorder_dump
+from ..runtime.private_apis import flight_recorder_dump
 
 
 def collectives_so_far() -> list[dict]:

@@ -150,7 +150,7 @@ def describe(probe: CudaProbe | None = None) -> EnvReport:
     Args:
         probe: CUDA facts to use instead of asking a child process (tests pass a
             simulated machine here). By default a child process is asked afresh
-            (:func:`~mgpu_helpers.devices.cuda_probe`), and ``launch()`` then goes by the
+            (:func:`~mgpu_helpers.runtime.devices.cuda_probe`), and ``launch()`` then goes by the
             same answer: the GPUs planned here are the GPUs a launch starts ranks on.
 
     Returns:

@@ -1,8 +1,8 @@
-"""Chapter 14's calculator: sliders over :func:`mgpu_helpers.planner.predict`."""
+"""Chapter 14's calculator: sliders over :func:`mgpu_helpers.planning.planner.predict`."""
 
 from __future__ import annotations
 
-from . import planner
+from ..planning import planner
 
 MODELS = {model.name: model for model in planner.PUBLISHED}
 

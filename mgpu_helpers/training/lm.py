@@ -24,8 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .data.recall import IGNORE, RecallTask
-from .models.gpt import GPT, GPTConfig
+from ..data.recall import IGNORE, RecallTask
+from ..models.gpt import GPT, GPTConfig
 from .train import BatchLoss
 
 #: Seeds of the training batches (``seed * STEP_SEEDS + step``) and of the held-out set.

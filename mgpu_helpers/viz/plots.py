@@ -12,7 +12,7 @@ from PIL import Image
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
-from .parallel.pipeline import Event, bubble_fraction
+from ..parallel.pipeline import Event, bubble_fraction
 
 
 def _as_displayable(image):

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .models.gpt import GPTConfig
+from ..models.gpt import GPTConfig
 
 FLOAT32_BYTES = 4
 

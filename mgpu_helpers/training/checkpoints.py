@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from .ranks import rank, world_size
+from ..runtime.ranks import rank, world_size
 
 KEEP_CHECKPOINTS = 2
 RUN_FILE = "run.json"

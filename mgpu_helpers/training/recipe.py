@@ -33,12 +33,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torchvision.transforms import v2
 
-from .data import ImageDataset, loader_generator, prepare_digits, seed_worker
-from .models import SeedCNN
-from .precision import AMP_CHOICES, amp_dtype, auto_amp
+from ..data import ImageDataset, loader_generator, prepare_digits, seed_worker
+from ..models import SeedCNN
+from ..runtime.precision import AMP_CHOICES, amp_dtype, auto_amp
+from ..runtime.ranks import device as rank_device
+from ..runtime.ranks import is_main, print0, rank, world_size
 from .preemption import NOTICE_SIGNALS, PreemptionNotice, requeue_job
-from .ranks import device as rank_device
-from .ranks import is_main, print0, rank, world_size
 from .train import evaluate, load_checkpoint, save_checkpoint, train_one_epoch
 
 TO_TENSOR = [v2.ToImage(), v2.ToDtype(torch.float32, scale=True)]

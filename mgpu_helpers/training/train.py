@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from .progress import progress_bar
-from .ranks import device as rank_device
-from .ranks import is_main, rank, world_size
+from ..runtime.progress import progress_bar
+from ..runtime.ranks import device as rank_device
+from ..runtime.ranks import is_main, rank, world_size
 
 CHECKPOINT_FORMAT = 1
 

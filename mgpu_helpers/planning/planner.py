@@ -10,7 +10,7 @@ computation hides), the pipeline's bubble, the step time and the MFU.
 Everything is the workbook's own formulas, each checked in its chapter against a run:
 
 * parameters, FLOPs (``6·N + 12·L·s·h`` a token, attention over the full square: the
-  convention MFU is quoted in) and activations (chapter 10, :mod:`mgpu_helpers.costs`),
+  convention MFU is quoted in) and activations (chapter 10, :mod:`mgpu_helpers.planning.costs`),
   generalised to grouped-query attention, a gated MLP and experts;
 * what each ZeRO stage shards (chapter 07), what a rank keeps under TP with SP (chapter
   11), CP's 1/c of the tokens (chapter 12), the experts over EP (chapter 13), the
@@ -48,9 +48,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..models.gpt import GPTConfig
 from . import costs
 from .costs import MIXED, Precision, ceil_div
-from .models.gpt import GPTConfig
 
 GB = 10**9
 ACTIVATION_BYTES = 2   # bfloat16 activations
@@ -445,7 +445,7 @@ def predict(model: Model, cluster: Cluster, plan: Plan, length: int,
 
     Args:
         length: tokens per sequence.
-        precision: bytes per parameter (:data:`mgpu_helpers.costs.MIXED` by default).
+        precision: bytes per parameter (:data:`mgpu_helpers.planning.costs.MIXED` by default).
         efficiency: the share of ``cluster.peak_flops`` the matrix products reach.
         headroom: the share of a GPU's memory a plan must leave free to fit.
     """

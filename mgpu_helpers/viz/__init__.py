@@ -1,0 +1,2 @@
+"""Pictures: the chapters' plots (``plots``), the hand-drawn diagrams (``diagrams``) and
+the planner's calculator widgets (``calculator``)."""
