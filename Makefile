@@ -62,7 +62,7 @@ lab: $(STAMP) $(LAB_OVERRIDES)
 # hold with every core busy (run with a busy loop per core). Each lane prints its reports
 # when it ends.
 TEST_JOBS ?= $(if $(filter 0 1,$(shell nproc 2>/dev/null || echo 1)),1,2)
-HARNESS_TESTS := tests/test_notebook_harness.py
+HARNESS_TESTS := tests/workbook/test_notebook_harness.py
 test: lint
 	@$(MAKE) --no-print-directory -j$(TEST_JOBS) $(if $(filter-out 1,$(TEST_JOBS)),--output-sync=recurse) \
 	  unit-lane notebook-lane
@@ -101,7 +101,7 @@ slurm-test: $(STAMP)
 	@folder=$$(mktemp -d /tmp/mgpu-slurm.XXXXXX); \
 	conf=$$(python3 tools/slurm_cluster.py start $$folder) || exit 1; \
 	trap 'python3 tools/slurm_cluster.py stop '$$folder INT TERM; \
-	SLURM_CONF=$$conf MGPU_REQUIRE_SLURM=1 $(BIN)/pytest tests/test_slurm.py $(TEST_ARGS); \
+	SLURM_CONF=$$conf MGPU_REQUIRE_SLURM=1 $(BIN)/pytest tests/workbook/test_slurm.py $(TEST_ARGS); \
 	status=$$?; python3 tools/slurm_cluster.py stop $$folder; \
 	[ $$status -ne 0 ] || rm -rf $$folder; exit $$status
 

@@ -477,12 +477,12 @@ MISTAKES = {
              (batch_stats_nan_on_an_empty_rank, "fail", "one rank's batch is empty (b = 0)"),
              (batch_stats_returned_in_float64, "fail", "mean is float64, expected float32")],
     # one torchrun run takes about 7 s: the other mistakes of 05.4 are checked in
-    # tests/test_exercise_script.py against the one case that shows each (SCRIPT_MISTAKES)
+    # tests/exercises/test_scripts.py against the one case that shows each (SCRIPT_MISTAKES)
     "05.4": [(main_without_a_process_group, "fail", "Default process group has not been "
               "initialized")],
 }
 # 05.4's mistakes: (wrong script, the index of the case that shows it, a phrase its report
-# must contain). tests/test_exercise_script.py runs case 0 (3 ranks, 2 epochs) on 2 ranks,
+# must contain). tests/exercises/test_scripts.py runs case 0 (3 ranks, 2 epochs) on 2 ranks,
 # and case 1's first run (2 ranks, 1 epoch: no checkpoint yet, so no resume, the code these
 # mistakes change) as the reference's
 SCRIPT_MISTAKES = [
@@ -493,7 +493,7 @@ SCRIPT_MISTAKES = [
     (main_resuming_without_the_optimizer, 1, "loaded the model but not the optimizer's state"),
 ]
 # run end to end only on request (seconds each under torchrun): their verdicts are tested
-# on crafted results in tests/test_exercise_script.py, which the suite runs
+# on crafted results in tests/exercises/test_scripts.py, which the suite runs
 MORE_SCRIPT_MISTAKES = [
     (main_saving_the_ddp_wrapper, 0, "model keys start with `module.` (module.0.weight)"),
     (main_saving_once_at_the_end, 0, "saved 1 time in 2 epochs"),

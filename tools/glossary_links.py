@@ -4,7 +4,7 @@ The main line is chapters 00, 01, ... in order (appendices aside); a use is the 
 markdown cell's prose or a code span that is exactly the term (`torchrun`), not in a
 heading, the navigation line, a fenced block, a link's text of another target, an HTML tag
 or a formula. ``python tools/glossary_links.py`` links every first use that is not linked
-yet (once: rerunning changes nothing); ``tests/test_glossary.py`` checks that it has been.
+yet (once: rerunning changes nothing); ``tests/workbook/test_glossary.py`` checks that it has been.
 An authoring tool, not part of the helper package.
 """
 

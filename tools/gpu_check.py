@@ -270,7 +270,7 @@ def _exercise_error(report) -> str:
 
 def run_exercises(solutions: Path, keys: list[str] | None, result_path: Path) -> list[dict]:
     """Check each exercise's reference solution (``REFERENCE[key]`` of ``solutions``'s
-    module ``chNN``, as tests/test_exercises.py finds it) in this process, without
+    module ``chNN``, as tests/exercises/test_exercises.py finds it) in this process, without
     recording progress. The rows are written to ``result_path`` before each exercise, so
     that a parent that has to kill a hanging check knows which one hung."""
     import importlib
@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError, KeyError) as error:
             parser.error(f"cannot record {args.record}: {error}")
         print(f"[gpu-check] recorded the GPU verdicts of {len(changed)} chapter(s); update "
-              "the README's chapter table to match (tests/test_chapters.py checks it)")
+              "the README's chapter table to match (tests/workbook/test_chapters.py checks it)")
         return 0
 
     chapters = args.chapters

@@ -8,7 +8,7 @@ operations: a lot for big convolutions, nothing (or less than nothing) for many 
 :func:`measure` times both kinds of network with 1 and 2 threads, taking turns round
 after round so that a drifting machine slows every case alike, and reports each case's
 median speed-up. ``benchmarks/gil_threads.py`` stores its result, which chapter 04 prints
-and ``tests/test_threads_lab.py`` checks; the chapter's own live timings depend on what
+and ``tests/labs/test_threads.py`` checks; the chapter's own live timings depend on what
 else the machine runs at that moment.
 """
 

@@ -31,7 +31,7 @@ Its parts, one job each:
 * :mod:`.failure`: the error a failed launch raises, root cause first, with advice;
 * :mod:`.in_place`: under torchrun or an ``srun`` step, run in this process instead.
 
-Imports run one way (``tests/test_layout.py`` checks it): ``records`` and ``streams``
+Imports run one way (``tests/workbook/test_layout.py`` checks it): ``records`` and ``streams``
 import no other part, and both sides of the fork import them.
 """
 

@@ -3,7 +3,7 @@
 Each function below reaches one name that is not part of a public API, because no public
 route gives the same answer (each docstring says why). A private name can change or
 vanish in any release, so none is used anywhere else in the package, the chapters, the
-scripts or the benchmarks (``tests/test_layout.py`` checks it): a new release breaks this
+scripts or the benchmarks (``tests/workbook/test_layout.py`` checks it): a new release breaks this
 one file, and with an error that names the missing interface and the versions involved
 instead of an ``AttributeError`` deep inside a rank.
 

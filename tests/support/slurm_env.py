@@ -1,7 +1,7 @@
 """The SLURM variables three kinds of process see, for tests, as a real SLURM sets them.
 
 Recorded with ``env`` on Slurm 22.05 (Debian 12) on the one-node cluster of
-``tools/slurm_cluster.py``; ``tests/test_slurm.py`` records them again on every run there
+``tools/slurm_cluster.py``; ``tests/workbook/test_slurm.py`` records them again on every run there
 and fails if a name differs from these (values that change from job to job are
 placeholders here: ids, pids, ports, folders).
 
