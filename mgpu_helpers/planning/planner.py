@@ -378,7 +378,9 @@ def stage_parameters(model: Model, plan: Plan, stage: int) -> dict[str, float]:
     """Parameters one GPU of pipeline stage ``stage`` holds before ZeRO shards them:
     ``dense`` (split by TP; the norms whole), ``experts`` (split by EP), and per layer
     (``layer``) and at the stage's ends (``edges``: the embeddings on the first stage,
-    the final norm and the head on the last), the dense ones included."""
+    the final norm and the head on the last), the dense ones included; ``matmul``: those
+    of matrix products, all but the embeddings (lookups) and the norms' weights (what
+    autocast makes 16-bit copies of)."""
     t, h = plan.tp, model.dim
     norm = model.norm_parameters * h
     dense_layer = (model.attention_parameters() / t + 2 * norm
@@ -387,8 +389,11 @@ def stage_parameters(model: Model, plan: Plan, stage: int) -> dict[str, float]:
     edges = ((stage == 0) * (model.vocab / t + model.positions) * h
              + (stage == plan.pp - 1) * (model.vocab * h / t + norm))
     layers = stage_layers(model, plan)
-    return {"dense": layers * dense_layer + edges, "experts": layers * expert_layer,
-            "layer": dense_layer + expert_layer, "edges": edges}
+    lookups = (stage == 0) * (model.vocab / t + model.positions) * h
+    norms = layers * 2 * norm + (stage == plan.pp - 1) * norm
+    dense, experts = layers * dense_layer + edges, layers * expert_layer
+    return {"dense": dense, "experts": experts, "layer": dense_layer + expert_layer,
+            "edges": edges, "matmul": dense + experts - lookups - norms}
 
 
 def stage_memory(model: Model, plan: Plan, length: int, stage: int,
@@ -401,7 +406,7 @@ def stage_memory(model: Model, plan: Plan, length: int, stage: int,
     layer's gradient; under a pipeline ZeRO-3 keeps the stage's weights gathered from the
     first backward pass on and its gradients whole until the last micro-batch (what
     ``PipelineStage`` asks of FSDP2): ZeRO-1's memory with ZeRO-3's state at rest; without
-    ZeRO-3, ``precision.copies`` of the weights."""
+    ZeRO-3, ``precision.copies`` of the matrix products' weights (autocast's)."""
     held = stage_parameters(model, plan, stage)
     shards = plan.dp * plan.cp
     expert_shards = shards // plan.ep
@@ -422,7 +427,7 @@ def stage_memory(model: Model, plan: Plan, length: int, stage: int,
         memory["working set"] = (held["edges"] * gathered
                                  + held["layer"] * (2 * gathered + precision.gradient))
     else:
-        memory["working set"] = (held["dense"] + held["experts"]) * precision.copies
+        memory["working set"] = held["matmul"] * precision.copies
     tokens = plan.micro_batch * length // plan.cp
     t, e = plan.tp, precision.activation
     kept_layers = layers_in_flight(model, plan, stage)  # layers x micro-batches kept

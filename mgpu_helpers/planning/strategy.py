@@ -2,35 +2,37 @@
 
 The appendix ``appendix_strategy_map.ipynb`` draws :data:`STEPS` as a flowchart
 (:func:`draw_map`) and budgets the memory of a GPT-shaped model per GPU under each
-strategy (:func:`memory_budget`). The budgets reuse the workbook's formulas: the
-parameters and the activations of :mod:`mgpu_helpers.planning.costs` (chapter 10), and
-:func:`~mgpu_helpers.planning.costs.training_state_bytes` for what each ZeRO stage shards
-(chapter 07). Three things they lack are added here, each tested against a count by hand:
+strategy (:func:`memory_budget`). There is one cost model: a budget is chapter 14's
+planner (:func:`~mgpu_helpers.planning.planner.stage_memory`) for the strategy's plan,
+one pipeline stage, on the planner's :class:`~mgpu_helpers.planning.planner.Model` of
+the workbook's GPT; its formulas rest on :mod:`~mgpu_helpers.planning.costs`' (chapter
+10's parameters and activations, chapter 07's ZeRO stages). What the map needs of it:
 
 * what a rank keeps of a block's activations under tensor parallelism with sequence
-  parallelism, as PyTorch's ``parallelize_module`` runs it (:func:`tp_block_activation_bytes`:
-  the appendix measures it on CPU ranks);
+  parallelism, as PyTorch's ``parallelize_module`` runs it
+  (:func:`tp_block_activation_bytes`: the appendix measures it on CPU ranks);
 * the activation peak with checkpointing, which adds the block recomputed during the
   backward pass to what the forward pass keeps (:func:`activation_peak_bytes`);
 * FSDP's working set: the weights it gathers and the gradient it reduces, a block at a
   time (:func:`memory_budget`).
 
-Bytes per parameter follow a :class:`~mgpu_helpers.planning.costs.Precision` (the layouts live in
-:mod:`~mgpu_helpers.planning.costs`, shared with chapter 14's planner): by default the ZeRO paper's
-mixed precision, bfloat16 weights and gradients (2 + 2) and float32 master weights with
-Adam's two moments (12); :data:`~mgpu_helpers.planning.costs.PYTORCH` is PyTorch's own way
+Bytes per parameter follow a :class:`~mgpu_helpers.planning.costs.Precision`, one set of
+layouts in :mod:`~mgpu_helpers.planning.costs`: by default the ZeRO paper's mixed
+precision, 16-bit weights and gradients (2 + 2) and float32 master weights with Adam's
+two moments (12); :data:`~mgpu_helpers.planning.costs.PYTORCH` is PyTorch's own way
 (float32 state, bfloat16 copies for the matrix products). A ZeRO stage divides what it
 shards by the data-parallel ranks.
 """
 
 from __future__ import annotations
 
+import math
 import textwrap
 from dataclasses import dataclass
 
 from ..models.gpt import GPTConfig
-from . import costs
-from .costs import MIXED, Precision, ceil_div
+from .costs import MIXED, Precision
+from .planner import Model, Plan, stage_memory
 
 GB = 10**9
 #: An H100's memory as its data sheet states it (80 GB), counted as 80 x 10^9 bytes.
@@ -39,9 +41,6 @@ H100_BYTES = 80 * GB
 HEADROOM = 0.10
 #: Activations in bfloat16; attention's log-sum-exp stays float32 (costs' formula).
 ACTIVATION_BYTES = 2
-#: FSDP's gathered weights (bfloat16) and the gradient it reduce-scatters (float32, the
-#: reduce_dtype of chapter 10's policy), per parameter of a block.
-GATHER_BYTES, REDUCE_BYTES = 2, 4
 
 
 @dataclass(frozen=True)
@@ -120,11 +119,19 @@ def _check_tp(config: GPTConfig, tp: int) -> None:
                          "heads; pick tp among their common divisors")
 
 
+def _plan(strategy: Strategy, gpus: int, batch: int) -> Plan:
+    """The planner's :class:`~mgpu_helpers.planning.planner.Plan` for ``strategy`` on
+    ``gpus`` GPUs: data parallelism over the GPUs the TP groups leave, no pipeline."""
+    return Plan(dp=gpus // strategy.tp, tp=strategy.tp, zero=strategy.zero,
+                micro_batch=batch, checkpointing=strategy.checkpointing)
+
+
 def tp_block_activation_bytes(config: GPTConfig, batch: int, length: int, tp: int,
                               element_bytes: int = ACTIVATION_BYTES) -> int:
     """Bytes one block keeps for its backward pass on each of ``tp`` GPUs, under tensor
     parallelism with sequence parallelism as PyTorch runs it (``SequenceParallel`` on the
-    layer norms, ``ColwiseParallel`` on q, k, v and up, ``RowwiseParallel`` on o and down).
+    layer norms, ``ColwiseParallel`` on q, k, v and up, ``RowwiseParallel`` on o and down):
+    the planner's :meth:`~mgpu_helpers.planning.planner.Model.layer_activation_elements`.
 
     Each GPU keeps 1/tp of every tensor of chapter 10's count (its tokens of the block's
     input, residual and layer-norm statistics; its heads and MLP columns), except the two
@@ -132,37 +139,16 @@ def tp_block_activation_bytes(config: GPTConfig, batch: int, length: int, tp: in
     ``tp = 1`` gives :func:`costs.activation_bytes_per_block`.
     """
     _check_tp(config, tp)
-    whole_block = costs.activation_bytes_per_block(config, batch, length, element_bytes)
-    if tp == 1:
-        return whole_block
-    gathered = 2 * batch * length * config.dim * element_bytes
-    return gathered + ceil_div(whole_block - gathered, tp)
-
-
-def activation_peak_bytes(config: GPTConfig, batch: int, length: int, tp: int = 1,
-                          checkpointing: bool = False,
-                          element_bytes: int = ACTIVATION_BYTES) -> int:
-    """The most activation bytes a GPU holds in a step (the loss's own not counted).
-
-    Without checkpointing: what the forward pass keeps, :func:`costs.activation_bytes`
-    with each block's share replaced by :func:`tp_block_activation_bytes` (the final
-    layer norm and the token ids are counted whole). With checkpointing each block keeps
-    only its input (its 1/tp of the tokens under sequence parallelism), and the backward
-    pass recomputes one block at a time, which holds that block's activations again.
-    """
-    whole = costs.activation_bytes(config, batch, length, element_bytes)
-    per_block = costs.activation_bytes_per_block(config, batch, length, element_bytes)
-    outside_blocks = whole - config.layers * per_block
-    block = tp_block_activation_bytes(config, batch, length, tp, element_bytes)
-    if not checkpointing:
-        return outside_blocks + config.layers * block
-    block_input = ceil_div(batch * length * config.dim * element_bytes, tp)
-    return outside_blocks + config.layers * block_input + block
+    model = Model.from_gpt(config)
+    elements = model.layer_activation_elements(batch * length, tp, element_bytes)
+    return math.ceil(elements * element_bytes)  # the largest rank's share, whole bytes
 
 
 def memory_budget(config: GPTConfig, strategy: Strategy, gpus: int, batch: int,
-                  length: int, precision: Precision = MIXED) -> dict[str, int]:
-    """Bytes per GPU at the peak of a training step with AdamW, by kind.
+                  length: int, precision: Precision = MIXED) -> dict[str, float]:
+    """Bytes per GPU at the peak of a training step with AdamW, by kind: chapter 14's
+    planner (:func:`~mgpu_helpers.planning.planner.stage_memory`) for ``strategy``'s plan,
+    one pipeline stage.
 
     Args:
         config: the model's sizes (chapter 10's GPT).
@@ -174,45 +160,35 @@ def memory_budget(config: GPTConfig, strategy: Strategy, gpus: int, batch: int,
 
     Returns ``weights``, ``gradients``, ``Adam`` (its state, master weights included),
     ``working set`` (copies that exist only during the step: under ZeRO-3 with more than
-    one shard, the bfloat16 embedding and head, gathered for the whole step, two blocks'
-    bfloat16 weights, the running one and the next, and one block's float32 gradient on
-    its way to the reduce-scatter; without ZeRO-3, ``precision.copies``),
-    ``activations`` (:func:`activation_peak_bytes`) and their ``total``.
+    one shard, the gathered 16-bit embeddings and head, two gathered blocks, the running
+    one and the next, and one block's gradient on its way to the reduce-scatter; without
+    ZeRO-3, ``precision.copies``), ``activations`` (what the blocks keep, or with
+    checkpointing their inputs and one block recomputed, and the loss's float32 logits
+    and their gradient) and their ``total``. TP splits every matrix and the token
+    embedding; the position table and the layer norms' weights stay whole.
     """
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1 or gpus % strategy.tp:
         raise ValueError(f"gpus must be a whole multiple of the strategy's tp "
                          f"({strategy.tp}), got {gpus!r}: each TP group takes tp GPUs")
     _check_tp(config, strategy.tp)
-    counts = costs.parameter_counts(config)
-    block_parameters = (counts["attention (q, k, v, o)"] + counts["MLP (up, down)"]
-                        + counts["layer norms"] - 2 * config.dim) // config.layers
-    total_parameters = sum(counts.values())
-    # TP splits every matrix and embedding; the layer norms' weights stay whole
-    whole = counts["layer norms"]
-    per_tp_rank = ceil_div(total_parameters - whole, strategy.tp) + whole
-    ranks = gpus // strategy.tp
+    memory = stage_memory(Model.from_gpt(config), _plan(strategy, gpus, batch), length,
+                          stage=0, precision=precision)
+    return {"weights": memory["weights"], "gradients": memory["gradients"],
+            "Adam": memory["optimizer"], "working set": memory["working set"],
+            "activations": memory["activations"], "total": memory["total"]}
 
-    def state(shards: int, weight=0, gradient=0, optimizer=0) -> int:
-        return costs.training_state_bytes(per_tp_rank, shards, weight, gradient, optimizer)
 
-    budget = {
-        "weights": state(ranks if strategy.zero >= 3 else 1, weight=precision.weight),
-        "gradients": state(ranks if strategy.zero >= 2 else 1, gradient=precision.gradient),
-        "Adam": state(ranks if strategy.zero >= 1 else 1, optimizer=precision.optimizer),
-        "working set": 0,
-        "activations": activation_peak_bytes(config, batch, length, strategy.tp,
-                                             strategy.checkpointing),
-    }
-    if strategy.zero == 3 and ranks > 1:
-        root = total_parameters - config.layers * block_parameters
-        budget["working set"] = ceil_div(
-            root * GATHER_BYTES + block_parameters * (2 * GATHER_BYTES + REDUCE_BYTES),
-            strategy.tp)
-    elif strategy.zero < 3:
-        budget["working set"] = ceil_div(costs.matmul_parameters(config) * precision.copies,
-                                          strategy.tp)
-    budget["total"] = sum(budget.values())
-    return budget
+def activation_peak_bytes(config: GPTConfig, batch: int, length: int, tp: int = 1,
+                          checkpointing: bool = False, precision: Precision = MIXED) -> float:
+    """The most activation bytes a GPU holds in a step: :func:`memory_budget`'s
+    ``activations`` (the loss's logits included). Without checkpointing every block keeps
+    :func:`tp_block_activation_bytes`; with it each block keeps only its input (its 1/tp
+    of the tokens under sequence parallelism), and the backward pass recomputes one
+    block at a time, which holds that block's activations again."""
+    _check_tp(config, tp)
+    plan = Plan(tp=tp, micro_batch=batch, checkpointing=checkpointing)
+    return stage_memory(Model.from_gpt(config), plan, length, stage=0,
+                        precision=precision)["activations"]
 
 
 def fits(total: int, capacity: int = H100_BYTES, headroom: float = HEADROOM) -> bool:
