@@ -1,7 +1,7 @@
 """The workbook as readers use it: JupyterLab in a real Chromium, driven by Playwright.
 
 One JupyterLab server (free 127.0.0.1 port, random token) serves copies of every chapter
-and the landing page; one headless Chromium opens chapters 01 and 05 (04 up to its
+and the landing page; one headless Chromium opens chapters 01 and 05 (05 up to its
 training run and plot: nbval runs the rest; 00 too under `make screenshots`), clears
 their stored outputs, runs every cell from the Run menu, saves them, and checks what a
 reader would see: no error output (beyond cells tagged ``raises-exception``), every plot
@@ -261,7 +261,7 @@ def test_chapter_01_runs_and_its_explorer_redraws(lab):
     screenshot(page, CHAPTERS[1], explorer)
 
 
-def test_chapter_04_trains_with_rank_output(lab):
+def test_chapter_05_trains_with_rank_output(lab):
     server, page = lab
     saved = run_all_and_save(server, page, f"notebooks/{CHAPTERS[2]}")
     check_no_errors(saved, CHAPTERS[2])
