@@ -32,15 +32,14 @@ from dataclasses import dataclass
 
 from ..models.gpt import GPTConfig
 from .costs import MIXED, Precision
-from .planner import Model, Plan, stage_memory
+from .planner import ACTIVATION_BYTES, GB, Model, Plan, stage_memory
 
-GB = 10**9
+# GB (10^9 bytes) and ACTIVATION_BYTES (bfloat16; attention's log-sum-exp stays float32)
+# are the planner's.
 #: An H100's memory as its data sheet states it (80 GB), counted as 80 x 10^9 bytes.
 H100_BYTES = 80 * GB
 #: The share of a GPU's memory a budget leaves free for what it does not count.
 HEADROOM = 0.10
-#: Activations in bfloat16; attention's log-sum-exp stays float32 (costs' formula).
-ACTIVATION_BYTES = 2
 
 
 @dataclass(frozen=True)
@@ -119,13 +118,6 @@ def _check_tp(config: GPTConfig, tp: int) -> None:
                          "heads; pick tp among their common divisors")
 
 
-def _plan(strategy: Strategy, gpus: int, batch: int) -> Plan:
-    """The planner's :class:`~mgpu_helpers.planning.planner.Plan` for ``strategy`` on
-    ``gpus`` GPUs: data parallelism over the GPUs the TP groups leave, no pipeline."""
-    return Plan(dp=gpus // strategy.tp, tp=strategy.tp, zero=strategy.zero,
-                micro_batch=batch, checkpointing=strategy.checkpointing)
-
-
 def tp_block_activation_bytes(config: GPTConfig, batch: int, length: int, tp: int,
                               element_bytes: int = ACTIVATION_BYTES) -> int:
     """Bytes one block keeps for its backward pass on each of ``tp`` GPUs, under tensor
@@ -171,8 +163,10 @@ def memory_budget(config: GPTConfig, strategy: Strategy, gpus: int, batch: int,
         raise ValueError(f"gpus must be a whole multiple of the strategy's tp "
                          f"({strategy.tp}), got {gpus!r}: each TP group takes tp GPUs")
     _check_tp(config, strategy.tp)
-    memory = stage_memory(Model.from_gpt(config), _plan(strategy, gpus, batch), length,
-                          stage=0, precision=precision)
+    # data parallelism over the GPUs the TP groups leave, no pipeline
+    plan = Plan(dp=gpus // strategy.tp, tp=strategy.tp, zero=strategy.zero,
+                micro_batch=batch, checkpointing=strategy.checkpointing)
+    memory = stage_memory(Model.from_gpt(config), plan, length, stage=0, precision=precision)
     return {"weights": memory["weights"], "gradients": memory["gradients"],
             "Adam": memory["optimizer"], "working set": memory["working set"],
             "activations": memory["activations"], "total": memory["total"]}
@@ -185,10 +179,8 @@ def activation_peak_bytes(config: GPTConfig, batch: int, length: int, tp: int = 
     :func:`tp_block_activation_bytes`; with it each block keeps only its input (its 1/tp
     of the tokens under sequence parallelism), and the backward pass recomputes one
     block at a time, which holds that block's activations again."""
-    _check_tp(config, tp)
-    plan = Plan(tp=tp, micro_batch=batch, checkpointing=checkpointing)
-    return stage_memory(Model.from_gpt(config), plan, length, stage=0,
-                        precision=precision)["activations"]
+    strategy = Strategy("activations only", tp=tp, checkpointing=checkpointing)
+    return memory_budget(config, strategy, tp, batch, length, precision)["activations"]
 
 
 def fits(total: int, capacity: int = H100_BYTES, headroom: float = HEADROOM) -> bool:
