@@ -3,12 +3,15 @@ ranks on this machine."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
+import threading
 
 import cloudpickle
 
@@ -47,13 +50,34 @@ def _import_for_forked_ranks() -> None:
     if all(name in sys.modules for name in RANK_IMPORTS):
         return
     environment = dict(os.environ)
-    for name in RANK_IMPORTS:
-        importlib.import_module(name)
+    with _interrupts_deferred():
+        for name in RANK_IMPORTS:
+            importlib.import_module(name)
     for key in set(os.environ) - set(environment):
         del os.environ[key]
     for key, value in environment.items():
         if os.environ.get(key) != value:
             os.environ[key] = value
+
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """Hold back Ctrl+C (Jupyter's stop button) until the block has finished, then raise
+    it. An import cut by ``KeyboardInterrupt`` leaves modules half-initialised in
+    ``sys.modules`` (``torch._dynamo`` failed with "module 'sympy' has no attribute
+    'logic'"), and every later launch in that kernel failed or hung. Python runs signal
+    handlers in the main thread only, so elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:  # delivered again, now to the handler it was meant for
+            signal.raise_signal(signal.SIGINT)
+
 
 #: Why GPUs are unusable, as already told on stderr by this process (told once each).
 _told_no_gpu: set[str] = set()

@@ -356,12 +356,17 @@ def test_timeout_reaches_the_process_group():
 
 
 @pytest.mark.slow
-def test_interrupt_kills_every_rank_and_next_launch_works():
-    done = run_script(sys.executable, str(SCRIPTS / "interrupt.py"))
+@pytest.mark.parametrize("when", ["running", "importing"])
+def test_interrupt_kills_every_rank_and_next_launch_works(when):
+    # "importing": Ctrl+C during the compiler's import before the first fork is held
+    # back until the import ends (a half-initialised torch._dynamo broke later launches)
+    done = run_script(sys.executable, str(SCRIPTS / "interrupt.py"), when)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "interrupted" in done.stdout
     assert "children left: []" in done.stdout
     assert "second launch: 42" in done.stdout
+    if when == "importing":
+        assert "started" not in done.stdout, "the ranks started after the interrupt"
 
 
 def launch_inside():
