@@ -22,6 +22,13 @@ LAB_PORT ?= 8888
 # Jupyter refuses to start as root (containers often run as root) unless told to.
 LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
+# Python caches compiled modules (__pycache__/, git-ignored) even where the environment
+# asks it not to: a test run starts hundreds of Python processes (ranks, torchrun workers,
+# kernels, scripts), each of which would compile the workbook's modules again, and pytest
+# would rewrite the tests' asserts again in each run (measured: 0.2 s a process, 3 s a
+# collection).
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: venv lab test unit-lane notebook-lane check lint unit nbval nbval-kernels browser slurm-test gpu-check gpu-wheels notebooks \
   nav bench bench-store figures screenshots pins clean
 

@@ -1,6 +1,7 @@
 """What runs inside a launched rank: its place, its results and its output,
 on 2 gloo ranks forked from this process."""
 
+import gc
 import os
 import sys
 import threading
@@ -26,6 +27,17 @@ def test_every_rank_knows_where_it_runs():
         {"rank": r, "world": 2, "local": r, "device": "cpu", "main": r == 0, "threads": 1,
          "addr": "127.0.0.1"} for r in range(2)
     ]
+
+
+def frozen_objects():
+    return gc.get_freeze_count()
+
+
+def test_a_forked_rank_leaves_the_objects_it_inherits_to_its_parent():
+    # the collector of a forked rank never walks (and so never copies) its parent's heap
+    parent = len(gc.get_objects())
+    assert launch(frozen_objects, nprocs=2, start_method="fork") >= 0.9 * parent
+    assert gc.get_freeze_count() == 0  # this process's own collector is untouched
 
 
 def test_cpu_threads_is_configurable():
