@@ -47,13 +47,25 @@ def _merge_inputs(kind: str):
         visible[-1] = False
     a = _partial(scores[..., :m_a], v[..., :m_a, :], visible[:, :m_a])
     b = _partial(scores[..., m_a:], v[..., m_a:, :], visible[:, m_a:])
-    return a, b, _partial(scores, v, visible)
+    return a, b, _partial(scores, v, visible), float(v.abs().max())
 
 
 def _merge_trial(fn, kind: str):
-    (out_a, lse_a), (out_b, lse_b), expected = _merge_inputs(kind)
+    (out_a, lse_a), (out_b, lse_b), expected, v_max = _merge_inputs(kind)
     result = fn(out_a.clone(), lse_a.clone(), out_b.clone(), lse_b.clone())
-    return {"result": result}, {"out": expected[0], "lse": expected[1], "kind": kind}
+    return {"result": result}, {"out": expected[0], "lse": expected[1], "kind": kind,
+                                "out_tolerance": _out_tolerance(expected[1], v_max)}
+
+
+def _out_tolerance(lse: torch.Tensor, v_max: float) -> float:
+    """How far a right float32 merge may be from one process's float32 attention: each
+    output weighs exp(its lse - the merged lse), and an lse of size L carries rounding of a
+    few float32 steps of L (4 of them allowed: 1.4e-4 at L = 300), which the weight turns
+    into that relative error of outputs up to max|v| (3,000 draws of each kind: the
+    reference merge came within 1/8 of the bound). Never below 1e-5."""
+    finite = lse[torch.isfinite(lse)]
+    size = float(finite.abs().max()) if finite.numel() else 0.0
+    return 1e-5 + 4 * torch.finfo(torch.float32).eps * max(1.0, size) * v_max
 
 
 def _merge_judge(got, expected) -> str | None:
@@ -76,7 +88,8 @@ def _merge_judge(got, expected) -> str | None:
     if not torch.allclose(lse.double(), expected["lse"].double(), rtol=1e-5, atol=1e-5):
         return (f"lse differs from the log-sum-exp over all the keys by up to "
                 f"{largest_abs(lse - expected['lse']):.3g}")
-    if not torch.allclose(out.double(), expected["out"].double(), rtol=1e-5, atol=1e-5):
+    if not torch.allclose(out.double(), expected["out"].double(), rtol=1e-5,
+                          atol=expected["out_tolerance"]):
         return (f"out differs from attention over all the keys by up to "
                 f"{largest_abs(out - expected['out']):.3g}: each partial output weighs "
                 "exp(its lse - the merged lse)")

@@ -41,6 +41,10 @@ def answer():
 
 
 if __name__ == "__main__":
+    # Ctrl+C raises KeyboardInterrupt, as in a kernel, even where this script inherits
+    # SIGINT ignored (a shell's background job: `make test &`), where Python installs no
+    # handler and the interrupt would never come.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     when = sys.argv[1]
     if when == "running":
         threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT)).start()
