@@ -32,8 +32,11 @@ def private_progress(tmp_path, monkeypatch):
 TORCHRUN = {"05.4"}
 
 
-def slow_if_torchrun(key, *rest):
-    return pytest.param(key, *rest, marks=[pytest.mark.slow] if key in TORCHRUN else [])
+def slow_if_launching(key, *rest):
+    """`slow` (out of `make check`) where the check starts ranks: torchrun, or a launch
+    per case (16 exercises: 13 s of one core in make check)."""
+    launches = key in TORCHRUN or any(case.world for case in EXERCISES[key].cases)
+    return pytest.param(key, *rest, marks=[pytest.mark.slow] if launches else [])
 
 
 def solutions(chapter):
@@ -61,7 +64,7 @@ def test_every_exercise_has_a_key_a_reference_and_a_mistake():
     assert all(2 <= total <= 4 for _, total in per_chapter.values()), per_chapter
 
 
-@pytest.mark.parametrize("key", [slow_if_torchrun(key) for key in EXERCISES])
+@pytest.mark.parametrize("key", [slow_if_launching(key) for key in EXERCISES])
 def test_the_reference_solution_passes_every_case(key, monkeypatch):
     import torch
 

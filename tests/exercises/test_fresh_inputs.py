@@ -248,6 +248,7 @@ def replayed_on_ranks(key, right, keep, build, replay):
     return core.evaluate(exercise, functools.partial(replay, table))
 
 
+@pytest.mark.slow  # checks on launched ranks, twice: out of `make check`
 def test_02_3_a_copied_accuracy_fails_the_next_check():
     # an accuracy of n samples takes one of n + 1 values, so a copied one is right again
     # by chance in about 1 case of 6 (binomial draws of 7 to 12 samples): over all 5 cases
@@ -262,6 +263,7 @@ def test_02_3_a_copied_accuracy_fails_the_next_check():
     assert any("samples correct), got" in o.detail for o in report.outcomes)
 
 
+@pytest.mark.slow  # checks on launched ranks, twice: out of `make check`
 def test_07_1_weights_copied_from_an_earlier_run_fail_the_next_check():
     def build(table, case, per_rank):
         table[case.world] = per_rank[0]["weights"]
@@ -271,6 +273,7 @@ def test_07_1_weights_copied_from_an_earlier_run_fail_the_next_check():
     assert "differ from plain Adam's" in report.outcomes[0].detail
 
 
+@pytest.mark.slow  # checks on launched ranks, twice: out of `make check`
 def test_07_3_a_copied_output_and_gradients_fail_the_next_check():
     def build(table, case, per_rank):
         for rank, expected in enumerate(per_rank):
@@ -282,6 +285,7 @@ def test_07_3_a_copied_output_and_gradients_fail_the_next_check():
     assert "the output differs" in report.outcomes[0].detail
 
 
+@pytest.mark.slow  # checks on launched ranks, twice: out of `make check`
 def test_09_2_copied_averages_fail_the_next_check():
     def build(table, case, per_rank):
         table[case.world] = per_rank[0]
@@ -292,6 +296,7 @@ def test_09_2_copied_averages_fail_the_next_check():
     assert "averages over the ranks" in report.outcomes[0].detail
 
 
+@pytest.mark.slow  # checks on launched ranks, twice: out of `make check`
 def test_09_3_copied_weights_fail_the_next_check():
     def build(table, case, per_rank):
         (counts,) = case.args
@@ -304,6 +309,7 @@ def test_09_3_copied_weights_fail_the_next_check():
     assert "the weights differ" in report.outcomes[0].detail
 
 
+@pytest.mark.slow  # checks on launched ranks, twice: out of `make check`
 def test_09_1_two_checks_draw_different_losses_that_the_ranks_agree_on():
     """A copied mean fails the next check: that check drew other losses, and every rank
     drew the same ones (each rank's expected mean is over all ranks' losses)."""
