@@ -63,7 +63,7 @@ lab: $(STAMP) $(LAB_OVERRIDES)
 # Two lanes: the unit tests (the nbval harness's own tests among them: they run `make nbval`
 # on small notebooks); and nbval, then the browser test. Placed so, the two lanes take
 # about as long (here, in a fresh clone, with the SLURM tests in the unit lane: about
-# 600 s each; without SLURM the unit lane is about 60 s shorter). Side by side where the
+# 610 s each; without SLURM the unit lane is about 60 s shorter). Side by side where the
 # machine has 2 CPUs or more: each lane keeps about one core busy. TEST_JOBS=1 runs them
 # one after the other. A live timing that a busy second core breaks (chapter 04's second
 # thread) is checked on its stored benchmark run instead; the chapters' other live checks
