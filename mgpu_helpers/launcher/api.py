@@ -59,14 +59,18 @@ def _import_for_forked_ranks() -> None:
         if os.environ.get(key) != value:
             os.environ[key] = value
 
+
 @contextlib.contextmanager
 def _interrupts_deferred():
-    """Hold back Ctrl+C (Jupyter's stop button) until the block has finished, then raise
-    it. An import cut by ``KeyboardInterrupt`` leaves modules half-initialised in
-    ``sys.modules`` (``torch._dynamo`` failed with "module 'sympy' has no attribute
-    'logic'"), and every later launch in that kernel failed or hung. Python runs signal
-    handlers in the main thread only, so elsewhere the block runs as it is."""
-    if threading.current_thread() is not threading.main_thread():
+    """Hold back Ctrl+C (Jupyter's stop button) until the block has finished, then deliver
+    it to the handler it was meant for. An import cut by ``KeyboardInterrupt`` leaves
+    modules half-initialised in ``sys.modules`` (``torch._dynamo`` failed with "module
+    'sympy' has no attribute 'logic'"), and every later launch in that kernel failed or
+    hung. Python runs signal handlers in the main thread only, so elsewhere the block runs
+    as it is; so it does where the handler was not set from Python (it cannot be put
+    back)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is None):
         yield
         return
     received = []
@@ -75,7 +79,7 @@ def _interrupts_deferred():
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-        if received:  # delivered again, now to the handler it was meant for
+        if received:
             signal.raise_signal(signal.SIGINT)
 
 
